@@ -1,0 +1,7 @@
+"""`python -m moescale ...` (and `torchrun -m moescale ...`) runs the command line."""
+
+import sys
+
+from moescale.cli import main
+
+sys.exit(main())

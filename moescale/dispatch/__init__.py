@@ -1,0 +1,1 @@
+"""The routing plan (one stable argsort) and the local gather/combine dispatcher."""

@@ -1,0 +1,40 @@
+"""Local dispatch: gather rows by expert, run the experts on this process, combine.
+
+This is the single-process seam that the expert-parallel and offloading dispatchers replace.
+Grouped experts take the fused path (gather, GEMMs and combine in one autograd Function); any
+other experts get rows through `index_select` and return them through a weighted `index_add`.
+No dense [T, E, C] mask anywhere.
+
+Legend: T tokens, R rows (kept routing choices, grouped by expert), D model width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moescale.dispatch.plan import RoutingPlan
+
+
+def gather_rows(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """x_RD: each row a copy of its token (differentiable)."""
+    return x_TD.index_select(0, plan.token_idx_R)
+
+
+def combine_rows(y_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """y_TD = sum of score-weighted rows per token; tokens with no row get zero."""
+    weighted_RD = y_RD * plan.scores_R.to(y_RD.dtype).unsqueeze(1)
+    out_TD = y_RD.new_zeros(plan.num_tokens, y_RD.shape[1])
+    return out_TD.index_add(0, plan.token_idx_R, weighted_RD)
+
+
+class LocalDispatcher:
+    """All experts live here; statistics need no reduction."""
+
+    def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
+        if hasattr(experts, "forward_routed"):
+            return experts.forward_routed(x_TD, plan)
+        y_RD = experts.forward_rows(gather_rows(x_TD, plan), plan.counts)
+        return combine_rows(y_RD, plan)
+
+    def reduce_sum(self, stats: torch.Tensor) -> torch.Tensor:
+        return stats

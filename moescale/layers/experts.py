@@ -1,0 +1,133 @@
+"""Expert containers: stacked FFN/GLU experts, or any list of nn.Modules.
+
+Both containers speak the same seam: `forward_rows(x_RD, counts)` maps rows grouped by expert
+(`counts[e]` consecutive rows for expert e) to outputs in the same order. `GroupedExperts` also
+offers `forward_routed(x_TD, plan)`, which fuses gather, experts and combine for the local case.
+`expert_forward(e, x)` runs one expert with plain autograd ops: the reference oracle uses it.
+
+Legend: R rows, T tokens, D model width, F expert hidden width, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from moescale.dispatch.plan import RoutingPlan
+from moescale.layers.activations import Activation
+from moescale.layers.grouped_ffn import FFNWeights, GroupedFFNRouted, GroupedFFNRows
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for x's device, else x's own dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class GroupedExperts(nn.Module):
+    """E feed-forward experts with stacked weights `w1_EDF`, `w2_EFD` (+ `w3_EDF` for GLU).
+
+    Plain: y = act(x W1 + b1) W2 + b2. GLU (Llama/Mixtral style): y = (act(x W1) * (x W3)) W2.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, *,
+                 activation: str | Callable = "gelu", glu: bool = False, bias: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if not isinstance(d_ff, int) or d_ff < 1:
+            raise ValueError(f"d_ff={d_ff!r} must be a positive integer (the expert hidden "
+                             "width, e.g. 4 * d_model)")
+        if glu and bias:
+            raise ValueError("glu=True with bias=True is not supported; GLU experts are "
+                             "bias-free (as in Llama and Mixtral): set bias=False")
+        self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
+        self.glu, self.act = glu, Activation(activation)
+        kw = dict(device=device, dtype=dtype)
+        self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.w2_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model, **kw))
+        self.w3_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw)) if glu else None
+        self.b1_EF = nn.Parameter(torch.empty(num_experts, d_ff, **kw)) if bias else None
+        self.b2_ED = nn.Parameter(torch.empty(num_experts, d_model, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init, per expert."""
+        in_bound, hid_bound = 1.0 / math.sqrt(self.d_model), 1.0 / math.sqrt(self.d_ff)
+        for p, bound in ((self.w1_EDF, in_bound), (self.w2_EFD, hid_bound),
+                         (self.w3_EDF, in_bound), (self.b1_EF, in_bound),
+                         (self.b2_ED, hid_bound)):
+            if p is not None:
+                nn.init.uniform_(p, -bound, bound)
+
+    def weights(self, dtype: torch.dtype | None = None) -> FFNWeights:
+        """The stacked weights, cast (differentiably) to the compute dtype."""
+        def cast(p):
+            return p if p is None or dtype is None else p.to(dtype)
+        return FFNWeights(*(cast(p) for p in
+                            (self.w1_EDF, self.w2_EFD, self.w3_EDF, self.b1_EF, self.b2_ED)))
+
+    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        x_RD = x_RD.to(compute_dtype(x_RD))
+        w = self.weights(x_RD.dtype)
+        return GroupedFFNRows.apply(x_RD.contiguous(), tuple(counts), self.act, w.w1_EDF,
+                                    w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+
+    def forward_routed(self, x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        x_TD = x_TD.to(compute_dtype(x_TD))
+        w = self.weights(x_TD.dtype)
+        return GroupedFFNRouted.apply(x_TD.contiguous(), plan.scores_R, plan.token_idx_R,
+                                      tuple(plan.counts), self.act, w.w1_EDF, w.w2_EFD,
+                                      w.w3_EDF, w.b1_EF, w.b2_ED)
+
+    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x_ND with plain autograd ops (slow; the reference uses it)."""
+        h_NF = x_ND @ self.w1_EDF[e]
+        if self.b1_EF is not None:
+            h_NF = h_NF + self.b1_EF[e]
+        a_NF = self.act.forward(h_NF)
+        if self.glu:
+            a_NF = a_NF * (x_ND @ self.w3_EDF[e])
+        y_ND = a_NF @ self.w2_EFD[e]
+        if self.b2_ED is not None:
+            y_ND = y_ND + self.b2_ED[e]
+        return y_ND
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, d_model={self.d_model}, d_ff={self.d_ff}, "
+                f"activation={self.act.name}, glu={self.glu}, bias={self.b1_EF is not None}")
+
+
+class ModuleExperts(nn.Module):
+    """Any modules as experts (FastMoE's "any module"): each maps [N, D] to [N, D].
+
+    Heterogeneous lists are fine; the experts run one after another on their rows.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        modules = list(modules)
+        if not modules:
+            raise ValueError("experts=[] is empty; give at least one expert module")
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise ValueError(f"experts[{i}] is a {type(m).__name__}, not an nn.Module; "
+                                 "pass modules or a factory returning modules")
+        self.experts = nn.ModuleList(modules)
+        self.num_experts = len(modules)
+
+    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        outputs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outputs.append(self.experts[e](x_RD[start:start + n]))
+            start += n
+        if not outputs:
+            return x_RD.new_zeros(x_RD.shape)
+        return torch.cat(outputs, dim=0)
+
+    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.experts[e](x_ND)

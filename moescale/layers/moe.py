@@ -1,0 +1,179 @@
+"""The MoE block: router -> routing plan -> dispatcher -> experts -> combine.
+
+`MoE(d_model, num_experts, top_k, ...)` maps `[..., d_model]` to the same shape. After each call
+the layer holds `last_aux_loss` (the weighted balance + z losses of that call, part of the
+autograd graph) and `last_stats` (detached numbers for logging); `collect_aux_loss(model)`
+sums the former over a model. Nothing is kept in module-level state.
+
+The dispatcher is a seam: `LocalDispatcher` runs every expert here; the expert-parallel,
+offloading and dynamic-placement dispatchers plug into the same place without changing the
+layer's math.
+
+Legend: T tokens, D model width, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from moescale.dispatch.local import LocalDispatcher
+from moescale.dispatch.plan import build_plan
+from moescale.layers.experts import GroupedExperts, ModuleExperts
+from moescale.routing.config import RouterConfig, expert_capacity
+from moescale.routing.losses import balance_loss, z_loss
+from moescale.routing.routers import Router
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """Plain-data description of one MoE layer (validated on construction)."""
+
+    d_model: int
+    num_experts: int = 8
+    top_k: int = 2
+    d_ff: int | None = None          # expert hidden width; None means 4 * d_model
+    activation: str = "gelu"
+    glu: bool = False
+    bias: bool = False
+    router: str = "topk"
+    renormalize: bool | None = None
+    capacity_factor: float | None = None   # None: dropless
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    jitter_eps: float = 0.01
+    noise_std_min: float = 0.0
+    random_routing: bool = True
+    router_config: RouterConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.d_model, int) or self.d_model < 1:
+            raise ValueError(f"d_model={self.d_model!r} must be a positive integer")
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None "
+                             "for dropless routing")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        self.router_config = RouterConfig(
+            kind=self.router, num_experts=self.num_experts, top_k=self.top_k,
+            renormalize=self.renormalize, jitter_eps=self.jitter_eps,
+            noise_std_min=self.noise_std_min, random_routing=self.random_routing)
+
+
+@dataclass
+class MoEStats:
+    """Detached numbers from the last call, for logging."""
+
+    num_tokens: int
+    routed_E: torch.Tensor     # routing choices per expert, before capacity
+    num_dropped: int
+    balance_loss: torch.Tensor  # detached scalar (no host sync until read)
+    z_loss: torch.Tensor
+
+
+def _build_experts(cfg: MoEConfig, experts, activation, device, dtype):
+    if experts is None:
+        return GroupedExperts(cfg.num_experts, cfg.d_model, cfg.d_ff,
+                              activation=activation if activation is not None else cfg.activation,
+                              glu=cfg.glu, bias=cfg.bias, device=device, dtype=dtype)
+    if isinstance(experts, nn.Module) and hasattr(experts, "forward_rows"):
+        built = experts
+    elif isinstance(experts, (list, tuple, nn.ModuleList)):
+        built = ModuleExperts(experts)
+    elif callable(experts):
+        built = ModuleExperts([experts(e) for e in range(cfg.num_experts)])
+    else:
+        raise ValueError(f"experts={experts!r} must be None, a list of nn.Modules, or a "
+                         "factory called as factory(expert_index) -> nn.Module")
+    if built.num_experts != cfg.num_experts:
+        raise ValueError(f"experts holds {built.num_experts} experts but "
+                         f"num_experts={cfg.num_experts}; make them agree")
+    return built
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts feed-forward block.
+
+    MoE(d_model, num_experts=8, top_k=2, d_ff=None, activation="gelu", glu=False, bias=False,
+        router="topk", renormalize=None, capacity_factor=None, aux_loss_coef=0.01,
+        z_loss_coef=0.0, experts=None)
+
+    `experts`: None (stacked FFN/GLU experts built from d_ff/activation/glu/bias), a list of
+    nn.Modules (any module mapping [N, d_model] -> [N, d_model]; lists may be heterogeneous;
+    num_experts defaults to its length), or a factory `factory(e) -> nn.Module`.
+    """
+
+    def __init__(self, d_model: int | None = None, num_experts: int | None = None,
+                 top_k: int = 2, *, config: MoEConfig | None = None,
+                 experts: Sequence[nn.Module] | Callable[[int], nn.Module] | nn.Module | None = None,
+                 activation: str | Callable | None = None, dispatcher=None,
+                 device=None, dtype=None, **options) -> None:
+        super().__init__()
+        if config is None:
+            if num_experts is None:
+                num_experts = len(experts) if isinstance(experts, (list, tuple, nn.ModuleList)) \
+                    else 8
+            if isinstance(activation, str):
+                options["activation"] = activation
+            config = MoEConfig(d_model=d_model, num_experts=num_experts, top_k=top_k, **options)
+        self.config = config
+        self.router = Router(config.d_model, config.router_config, device=device, dtype=dtype)
+        self.experts = _build_experts(config, experts, activation, device, dtype)
+        self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_stats: MoEStats | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    def _check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"MoE input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"MoE input has dtype {x.dtype}; it must be floating point "
+                             "(token ids go through an embedding first, or cast with .float())")
+        if x.dim() == 0 or x.shape[-1] != self.config.d_model:
+            raise ValueError(f"MoE input has shape {tuple(x.shape)}: its last dimension must be "
+                             f"d_model={self.config.d_model}; reshape the input or build the "
+                             f"layer with d_model={x.shape[-1] if x.dim() else '?'}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        cfg = self.config
+        x_TD = x.reshape(-1, cfg.d_model)
+        route = self.router(x_TD)
+        capacity = expert_capacity(cfg.capacity_factor, x_TD.shape[0], cfg.top_k,
+                                   cfg.num_experts)
+        plan = build_plan(route.scores_TK, route.expert_ids_TK, cfg.num_experts, capacity,
+                          check_finite=route.logits_TE)
+        y_TD = self.dispatcher(x_TD, plan, self.experts)
+        self._record_losses(route, plan)
+        return y_TD.reshape(x.shape[:-1] + (y_TD.shape[-1],))
+
+    def _record_losses(self, route, plan) -> None:
+        cfg = self.config
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.aux_loss_coef > 0):
+            bal = balance_loss(route.probs_TE, route.expert_ids_TK, self.dispatcher.reduce_sum)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.z_loss_coef > 0):
+            z = z_loss(route.logits_TE) if cfg.z_loss_coef > 0 else route.logits_TE.new_zeros(())
+        self.last_aux_loss = cfg.aux_loss_coef * bal + cfg.z_loss_coef * z
+        self.last_stats = MoEStats(num_tokens=plan.num_tokens, routed_E=plan.routed_E.detach(),
+                                   num_dropped=plan.num_dropped, balance_loss=bal.detach(),
+                                   z_loss=z.detach())
+
+
+def collect_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of `last_aux_loss` over every MoE layer of `model` (0.0 when none ran)."""
+    losses = [m.last_aux_loss for m in model.modules()
+              if isinstance(m, MoE) and m.last_aux_loss is not None]
+    if not losses:
+        param = next(model.parameters(), None)
+        return torch.zeros((), device=param.device if param is not None else None)
+    return torch.stack([loss.float() for loss in losses]).sum()

@@ -1,0 +1,91 @@
+"""Routers: a gate projection plus a rule that picks k experts per token.
+
+Every router maps `x_TD` to a `RouterOutput` holding the k scores and expert ids per token and
+the full-softmax probabilities and logits that the balance and z losses need. Router math runs
+in fp32 whatever the input precision (the gate is tiny; softmax in bf16 routes badly).
+Randomness (noise, jitter, GShard's random second expert) is drawn from torch's RNG only while
+training. Routers never touch torch.distributed and never build a dispatch mask.
+
+Legend: T tokens, D model width, E experts, K experts per token.
+An expert id of -1 marks a slot the router itself dropped (GShard's random routing).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moescale.routing.config import RouterConfig
+
+
+class RouterOutput(NamedTuple):
+    scores_TK: torch.Tensor      # fp32 weights of the chosen experts
+    expert_ids_TK: torch.Tensor  # int64, -1 where the router dropped the slot
+    logits_TE: torch.Tensor      # fp32 gate logits (z-loss)
+    probs_TE: torch.Tensor       # fp32 softmax over all experts (balance loss)
+
+
+class Router(nn.Module):
+    """Gate projection `D -> E` (no bias) and the routing rule named by `config.kind`."""
+
+    def __init__(self, d_model: int, config: RouterConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.d_model = d_model
+        self.weight = nn.Parameter(torch.empty(config.num_experts, d_model, device=device,
+                                               dtype=dtype))
+        if config.kind == "noisy_topk":
+            self.noise_weight = nn.Parameter(torch.zeros(config.num_experts, d_model,
+                                                         device=device, dtype=dtype))
+        else:
+            self.register_parameter("noise_weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.d_model ** -0.5)
+        if self.noise_weight is not None:
+            nn.init.zeros_(self.noise_weight)
+
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        cfg = self.config
+        with torch.autocast(x_TD.device.type, enabled=False):
+            x32_TD = x_TD.float()
+            if cfg.kind == "switch" and self.training and cfg.jitter_eps > 0:
+                jitter_TD = torch.empty_like(x32_TD).uniform_(1.0 - cfg.jitter_eps,
+                                                              1.0 + cfg.jitter_eps)
+                x32_TD = x32_TD * jitter_TD
+            logits_TE = x32_TD @ self.weight.float().t()
+            probs_TE = torch.softmax(logits_TE, dim=-1)
+            if cfg.kind == "noisy_topk":
+                scores_TK, ids_TK = self._noisy_topk(x32_TD, logits_TE)
+            elif cfg.kind == "gshard":
+                scores_TK, ids_TK = self._gshard(probs_TE)
+            else:
+                scores_TK, ids_TK = torch.topk(probs_TE, cfg.top_k, dim=-1)
+                if cfg.renormalize_scores:
+                    scores_TK = scores_TK / scores_TK.sum(-1, keepdim=True)
+        return RouterOutput(scores_TK, ids_TK, logits_TE, probs_TE)
+
+    def _noisy_topk(self, x32_TD: torch.Tensor, logits_TE: torch.Tensor):
+        cfg = self.config
+        noisy_TE = logits_TE
+        if self.training:
+            std_TE = F.softplus(x32_TD @ self.noise_weight.float().t()) + cfg.noise_std_min
+            noisy_TE = logits_TE + torch.randn_like(logits_TE) * std_TE
+        top_TK, ids_TK = torch.topk(noisy_TE, cfg.top_k, dim=-1)
+        return torch.softmax(top_TK, dim=-1), ids_TK
+
+    def _gshard(self, probs_TE: torch.Tensor):
+        cfg = self.config
+        scores_TK, ids_TK = torch.topk(probs_TE, 2, dim=-1)
+        if cfg.renormalize_scores:
+            scores_TK = scores_TK / scores_TK.sum(-1, keepdim=True)
+        if self.training and cfg.random_routing:
+            draw_T = torch.rand_like(scores_TK[:, 1])
+            keep2_T = draw_T < 2.0 * scores_TK[:, 1].detach()
+            ids_TK = torch.stack([ids_TK[:, 0], torch.where(keep2_T, ids_TK[:, 1], -1)], dim=1)
+            scores_TK = torch.stack([scores_TK[:, 0], scores_TK[:, 1] * keep2_T], dim=1)
+        return scores_TK, ids_TK
