@@ -1,0 +1,170 @@
+"""Dynamic expert placement: deterministic greedy LPT over devices, with hot-expert splitting.
+
+Every rank runs `plan_placement` on the same all-gathered counts and gets the same answer (pure
+Python on plain numbers: no RNG, ties broken by id), so no rank has to broadcast a decision.
+
+Load model (ES-MoE, extended): placing expert e on device d costs
+    rows_e * row_cost  +  (upload_cost if e is not resident in d's cache else 0).
+LPT takes experts by decreasing load (ties: lower id first) and gives each to the device with
+the least load after the placement (ties: lower device id), skipping devices whose cache already
+holds `max_experts_per_device` experts. With `split=True`, an expert whose load alone exceeds
+the ideal makespan (total / devices) is first cut into ceil(load / target) near-equal row
+shards, which LPT places like experts; a split expert's partial gradients are summed before its
+step (the caller's job). This file only plans: it moves no tensors and calls no collectives.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """How experts are assigned to the devices of a node each iteration."""
+
+    num_devices: int
+    max_experts_per_device: int | None = None   # cache slots; None: unbounded
+    split: bool = False                         # shard experts heavier than the ideal makespan
+    row_cost: float = 1.0                       # cost of one row through one expert
+    upload_cost: float = 0.0                    # cost of bringing a non-resident expert in
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_devices, int) or self.num_devices < 1:
+            raise ValueError(f"num_devices={self.num_devices!r} must be an integer >= 1")
+        if self.max_experts_per_device is not None and self.max_experts_per_device < 1:
+            raise ValueError(f"max_experts_per_device={self.max_experts_per_device!r} must be "
+                             ">= 1 or None (unbounded)")
+        if self.row_cost <= 0 or self.upload_cost < 0:
+            raise ValueError(f"row_cost={self.row_cost!r} must be > 0 and "
+                             f"upload_cost={self.upload_cost!r} >= 0")
+
+
+class Shard(NamedTuple):
+    """Rows [row_start, row_stop) of expert `expert`'s rows this iteration run on `device`."""
+
+    expert: int
+    device: int
+    row_start: int
+    row_stop: int
+
+
+@dataclass
+class Placement:
+    """The plan of one iteration: shards in placement order and the modelled device loads.
+
+    `raw_shards` holds plain (expert, device, row_start, row_stop) tuples (cheap to build in
+    the hot loop); `shards` gives them as named `Shard`s.
+    """
+
+    raw_shards: list[tuple[int, int, int, int]]
+    device_load: list[float]
+    experts_on_device: list[list[int]] = field(default_factory=list)
+
+    @property
+    def shards(self) -> list[Shard]:
+        return [Shard(*s) for s in self.raw_shards]
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean modelled device load (1.0 is perfect; 1.0 when there is no load)."""
+        mean = sum(self.device_load) / len(self.device_load)
+        return max(self.device_load) / mean if mean > 0 else 1.0
+
+    def owner_of(self, expert: int) -> list[Shard]:
+        return [Shard(*s) for s in self.raw_shards if s[0] == expert]
+
+
+def _split_sizes(rows: int, parts: int) -> list[int]:
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def plan_placement(counts: list[int], config: PlacementConfig,
+                   resident: list[set[int]] | None = None) -> Placement:
+    """Assign every expert with rows (and experts without, nowhere) to devices by greedy LPT.
+
+    counts:   rows per expert this iteration (all-gathered and summed over ranks).
+    resident: per device, the experts already in its cache (affinity: no upload cost there).
+    """
+    num_devices = config.num_devices
+    if resident is not None and len(resident) != num_devices:
+        raise ValueError(f"resident has {len(resident)} entries but num_devices={num_devices}")
+    row_cost = config.row_cost
+    target = sum(counts) / num_devices
+    items: list[tuple[int, int, int, int]] = []   # (-rows, expert, row_start, row_stop)
+    for e, n in enumerate(counts):
+        if n <= 0:
+            continue
+        if config.split and n > target:
+            start = 0
+            for size in _split_sizes(n, min(num_devices, math.ceil(n / target))):
+                items.append((-size, e, start, start + size))
+                start += size
+        else:
+            items.append((-n, e, 0, n))
+    items.sort()
+    return _greedy(items, counts, config, resident)
+
+
+def _greedy(items, counts, config: PlacementConfig, resident) -> Placement:
+    """LPT with a heap of (load, device); ties go to the lower device id."""
+    num_devices, cap, upload = config.num_devices, config.max_experts_per_device, config.upload_cost
+    row_cost = config.row_cost
+    loads = [0.0] * num_devices
+    held: list[list[int]] = [[] for _ in range(num_devices)]
+    heap = [(0.0, d) for d in range(num_devices)]
+    resident_on: dict[int, list[int]] = {}
+    if upload and resident is not None:
+        for d, experts in enumerate(resident):
+            for e in experts:
+                resident_on.setdefault(e, []).append(d)
+    shards: list[tuple[int, int, int, int]] = []
+    devices_of: dict[int, list[int]] = {}
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    for neg_rows, e, start, stop in items:
+        neg_load = neg_rows * row_cost
+        piece = stop - start < counts[e]
+        taken, aside = (devices_of.setdefault(e, []), []) if piece else ((), ())
+        while piece and heap and heap[0][1] in taken:
+            aside.append(heappop(heap))
+        if not heap:
+            raise ValueError(
+                f"no device can take expert {e}: every device holds "
+                f"max_experts_per_device={cap} experts; raise the cap or add devices")
+        load, best = heap[0]
+        best_cost = load - neg_load
+        if upload:
+            homes = resident_on.get(e, ())
+            if best not in homes:
+                best_cost += upload
+            for d in homes:
+                cost = loads[d] - neg_load
+                if d not in taken and (cap is None or len(held[d]) < cap) and \
+                        (cost, d) < (best_cost, best):
+                    best, best_cost = d, cost
+        loads[best] = best_cost
+        held[best].append(e)
+        full = cap is not None and len(held[best]) >= cap
+        if heap[0][1] != best:
+            heap.remove((_heap_entry(heap, best), best))
+            heapq.heapify(heap)
+            if not full:
+                heappush(heap, (best_cost, best))
+        elif full:
+            heappop(heap)
+        else:
+            heapreplace(heap, (best_cost, best))
+        if piece:
+            taken.append(best)
+            for entry in aside:
+                heappush(heap, entry)
+        shards.append((e, best, start, stop))
+    return Placement(raw_shards=shards, device_load=loads, experts_on_device=held)
+
+
+def _heap_entry(heap, device: int) -> float:
+    """The load recorded in the heap for `device` (used only when affinity overrides LPT)."""
+    return next(load for load, d in heap if d == device)
