@@ -133,6 +133,13 @@ class MoE(nn.Module):
     def num_experts(self) -> int:
         return self.config.num_experts
 
+    def __getstate__(self):
+        # The last call's record is part of that call's autograd graph, which deepcopy and
+        # pickle refuse; a copy starts without one, as a freshly built layer does.
+        state = super().__getstate__()
+        state["last_aux_loss"], state["last_stats"] = None, None
+        return state
+
     def _check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"MoE input must be a torch.Tensor, got {type(x).__name__}")
