@@ -1,0 +1,229 @@
+"""Static expert parallelism: E experts split over the W ranks of an expert-parallel group.
+
+Rank r holds experts [r*L, (r+1)*L), L = E/W, as an `ExpertShard` (a GroupedExperts or
+ModuleExperts with L experts, tagged as expert parameters); the router is replicated. The
+`ExpertParallelDispatcher` plugs into the MoE seam (`dispatcher(x_TD, plan, experts)`), so the
+layer's math is unchanged:
+
+  plan rows grouped by global expert = grouped by (owner rank p, local expert l)
+  send splits  = per-owner sums of plan.counts            (host ints, no sync)
+  counts       = one small all-to-all of the [W, L] row counts; one host sync
+  dispatch     = all-to-all of the rows; they arrive grouped (source s, local expert l)
+  experts      = reorder to (l, s) with one index_select, forward_rows, reorder back
+  combine      = all-to-all back, then score-weighted index_add on the source rank
+
+Gradient scale: each rank back-propagates its own loss; the model's loss is their mean (so a
+replicated gradient is averaged over ranks, as DDP does). Autograd alone would give an expert
+the SUM of the W ranks' contributions (FastMoE's W-times-too-large expert gradient); the
+return all-to-all's backward multiplies by 1/W on the way into the experts and the dispatch
+all-to-all's backward by W on the way out, so expert weight gradients come out at the mean
+scale while input gradients are untouched. See docs/expert_parallel.md.
+
+Capacity (when the layer has a capacity factor) is computed by each rank on its own tokens:
+expert e keeps at most `capacity` rows from each source rank.
+
+Not here: chunked pipelining (`moescale.parallel.pipeline`), dynamic placement, gradient
+synchronization (`moescale.parallel.grad_sync`).
+
+Legend: T tokens, R rows sent (grouped by global expert), S rows received, D model width,
+E experts in total, W ranks of the EP group, L = E / W experts per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from moescale.dispatch.local import combine_rows, gather_rows
+from moescale.dispatch.plan import RoutingPlan
+from moescale.layers.experts import GroupedExperts, ModuleExperts
+from moescale.layers.moe import MoE, MoEConfig
+from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, exchange_counts
+from moescale.parallel.groups import ParallelGroups
+
+EXPERT_ATTR = "moescale_expert"   # set to True on parameters that are sharded experts
+
+
+def mark_expert_parameters(module: nn.Module) -> nn.Module:
+    """Tag every parameter of `module` as an expert parameter (DDP/FSDP must skip them)."""
+    for p in module.parameters():
+        setattr(p, EXPERT_ATTR, True)
+    return module
+
+
+def is_expert_parameter(p: torch.Tensor) -> bool:
+    return bool(getattr(p, EXPERT_ATTR, False))
+
+
+def expert_parallel_split(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The global expert ids held by `ep_rank`."""
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts!r} must be a positive multiple of the "
+                         f"expert-parallel size {ep_size}; use num_experts = k * {ep_size}")
+    local = num_experts // ep_size
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
+class ExpertShard(nn.Module):
+    """The L experts this rank owns out of E: `local` is a GroupedExperts/ModuleExperts.
+
+    `num_experts` is the layer's total E (so `MoE` accepts it); `expert_ids` the global ids held.
+    """
+
+    def __init__(self, local: nn.Module, num_experts: int, expert_ids: range) -> None:
+        super().__init__()
+        if getattr(local, "num_experts", None) != len(expert_ids):
+            raise ValueError(f"the local experts hold {getattr(local, 'num_experts', '?')} "
+                             f"experts but this rank owns {len(expert_ids)} ({expert_ids})")
+        self.local = mark_expert_parameters(local)
+        self.num_experts = num_experts
+        self.expert_ids = expert_ids
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.expert_ids)
+
+    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        assert len(counts) == self.num_local_experts, (len(counts), self.expert_ids)
+        return self.local.forward_rows(x_RD, counts)
+
+    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        """Global expert e (must be held here)."""
+        return self.local.expert_forward(e - self.expert_ids.start, x_ND)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, holds={self.expert_ids}"
+
+
+def expert_major_order(recv_counts_WL: list[list[int]], device) -> tuple[torch.Tensor | None,
+                                                                         list[int]]:
+    """Index that reorders rows from (source, expert)-major to (expert, source)-major.
+
+    Returns (perm_S or None when the order is already expert-major, local_counts_L) with
+    expert_major = source_major[perm_S].
+    """
+    num_src = len(recv_counts_WL)
+    num_local = len(recv_counts_WL[0]) if num_src else 0
+    local_counts = [sum(recv_counts_WL[s][l] for s in range(num_src)) for l in range(num_local)]
+    if num_src == 1 or num_local == 1:
+        return None, local_counts
+    src_start, offset = {}, 0
+    for s in range(num_src):
+        for l in range(num_local):
+            src_start[s, l] = offset
+            offset += recv_counts_WL[s][l]
+    shift_B, n_B, dst = [], [], 0
+    for l in range(num_local):
+        for s in range(num_src):
+            n = recv_counts_WL[s][l]
+            shift_B.append(src_start[s, l] - dst)
+            n_B.append(n)
+            dst += n
+    shift_S = torch.repeat_interleave(torch.tensor(shift_B, device=device),
+                                      torch.tensor(n_B, device=device), output_size=offset)
+    return torch.arange(offset, device=device) + shift_S, local_counts
+
+
+def inverse_permutation(perm_S: torch.Tensor) -> torch.Tensor:
+    inv_S = torch.empty_like(perm_S)
+    inv_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
+    return inv_S
+
+
+class ExpertParallelDispatcher:
+    """Static EP: send rows to the experts' owners, run the local shard, send results back."""
+
+    def __init__(self, groups: ParallelGroups, num_experts: int) -> None:
+        self.groups = groups
+        self.expert_ids = expert_parallel_split(num_experts, groups.ep_size, groups.ep_rank)
+        self.num_experts = num_experts
+        self.num_local = len(self.expert_ids)
+
+    def route_counts(self, plan: RoutingPlan, device) -> tuple[list[list[int]],
+                                                               list[list[int]]]:
+        """(send_counts_WL, recv_counts_WL) as host lists: one small all-to-all, one sync."""
+        if len(plan.counts) != self.num_experts:
+            raise ValueError(f"the routing plan has {len(plan.counts)} experts but the "
+                             f"dispatcher was built for num_experts={self.num_experts}")
+        W, L = self.groups.ep_size, self.num_local
+        send_WL = [list(plan.counts[p * L:(p + 1) * L]) for p in range(W)]
+        recv_WL = exchange_counts(torch.tensor(send_WL, dtype=torch.int64, device=device),
+                                  self.groups.ep_group).tolist()
+        return send_WL, recv_WL
+
+    def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
+        if getattr(experts, "num_local_experts", self.num_local) != self.num_local:
+            raise ValueError(f"experts hold {experts.num_local_experts} local experts but the "
+                             f"dispatcher expects {self.num_local} per rank")
+        W, group = self.groups.ep_size, self.groups.ep_group
+        send_WL, recv_WL = self.route_counts(plan, x_TD.device)
+        send_splits = [sum(row) for row in send_WL]
+        recv_splits = [sum(row) for row in recv_WL]
+        x_RD = gather_rows(x_TD, plan)
+        x_SD = all_to_all_rows(x_RD, send_splits, recv_splits, group, grad_scale=float(W))
+        perm_S, local_counts = expert_major_order(recv_WL, x_TD.device)
+        x_local = x_SD if perm_S is None else x_SD.index_select(0, perm_S)
+        y_local = experts.forward_rows(x_local, local_counts)
+        y_SD = y_local if perm_S is None else y_local.index_select(0, inverse_permutation(perm_S))
+        y_RD = all_to_all_rows(y_SD, recv_splits, send_splits, group, grad_scale=1.0 / W)
+        return combine_rows(y_RD, plan)
+
+    def reduce_sum(self, stats: torch.Tensor) -> torch.Tensor:
+        """Balance-loss statistics summed over the EP group (differentiable)."""
+        return all_reduce_sum(stats, self.groups.ep_group)
+
+
+def shard_experts(experts: nn.Module, groups: ParallelGroups) -> ExpertShard:
+    """This rank's slice of a full expert container (weights copied, not shared)."""
+    ids = expert_parallel_split(experts.num_experts, groups.ep_size, groups.ep_rank)
+    if isinstance(experts, GroupedExperts):
+        local = GroupedExperts(len(ids), experts.d_model, experts.d_ff,
+                               activation=experts.act.spec,
+                               glu=experts.glu, bias=experts.b1_EF is not None,
+                               device=experts.w1_EDF.device, dtype=experts.w1_EDF.dtype)
+        with torch.no_grad():
+            for name in ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED"):
+                src = getattr(experts, name)
+                if src is not None:
+                    getattr(local, name).copy_(src[ids.start:ids.stop])
+    elif isinstance(experts, ModuleExperts):
+        local = ModuleExperts([copy.deepcopy(experts.experts[e]) for e in ids])
+    else:
+        raise ValueError(f"cannot shard experts of type {type(experts).__name__}; use "
+                         "GroupedExperts or ModuleExperts")
+    return ExpertShard(local, experts.num_experts, ids)
+
+
+def shard_moe(full: MoE, groups: ParallelGroups) -> MoE:
+    """An expert-parallel copy of a single-process MoE: same router weights (replicated), this
+    rank's slice of the experts, an ExpertParallelDispatcher. `full` is left unchanged."""
+    weight = full.router.weight
+    moe = MoE(config=full.config, experts=shard_experts(full.experts, groups),
+              dispatcher=ExpertParallelDispatcher(groups, full.num_experts),
+              device=weight.device, dtype=weight.dtype)
+    moe.router.load_state_dict(full.router.state_dict())
+    moe.train(full.training)
+    return moe
+
+
+def expert_parallel_moe(groups: ParallelGroups, d_model: int, num_experts: int,
+                        top_k: int = 2, *, device=None, dtype=None, **options) -> MoE:
+    """An MoE of `num_experts` experts in total, this rank holding its E/W of them.
+
+    `options` are MoE's (d_ff, activation, glu, bias, router, capacity_factor, ...). The router
+    is initialized from torch's RNG: seed every rank alike (or broadcast it) so it is replicated.
+    """
+    act = options.pop("activation", None)
+    if isinstance(act, str):
+        options["activation"] = act
+    cfg = MoEConfig(d_model=d_model, num_experts=num_experts, top_k=top_k, **options)
+    ids = expert_parallel_split(num_experts, groups.ep_size, groups.ep_rank)
+    local = GroupedExperts(len(ids), cfg.d_model, cfg.d_ff,
+                           activation=act if act is not None else cfg.activation,
+                           glu=cfg.glu, bias=cfg.bias, device=device, dtype=dtype)
+    return MoE(config=cfg, experts=ExpertShard(local, num_experts, ids),
+               dispatcher=ExpertParallelDispatcher(groups, num_experts), device=device,
+               dtype=dtype)

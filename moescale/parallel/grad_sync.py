@@ -1,0 +1,122 @@
+"""Gradient synchronization for expert parallelism: what to reduce over which group.
+
+Semantics (docs/expert_parallel.md): every rank back-propagates its own loss, and the model's
+loss is the mean of the ranks' losses (with equal token counts: the mean over all tokens of all
+ranks; `global_mean_weight` handles unequal counts). Then:
+
+- replicated parameters (router, attention, embeddings: everything not tagged as expert) carry
+  this rank's share and are averaged over the world (what DDP does);
+- expert parameters already hold the EP group's contribution at the mean scale (the
+  dispatcher's all-to-all backward scales it), and are averaged over the data-parallel group
+  of ranks holding the same shard (a no-op when every rank holds different experts).
+
+`ddp_ignore_names` lists the expert parameters for DDP's ignore list (FSDP: pass
+`expert_parameters(model)` as `ignored_states`). `clip_grad_norm_` clips by the global norm:
+replicated gradients counted once, expert gradients summed over the EP group.
+
+It does not overlap reduction with backward (DDP does that for the replicated part when used)
+and does not shard optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moescale.parallel.all_to_all import collective_errors
+from moescale.parallel.expert_parallel import is_expert_parameter
+from moescale.parallel.groups import ParallelGroups
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if is_expert_parameter(p)]
+
+
+def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if not is_expert_parameter(p)]
+
+
+def ddp_ignore_names(model: nn.Module) -> list[str]:
+    """Fully-qualified names of expert parameters, for
+    `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)`."""
+    return [name for name, p in model.named_parameters() if is_expert_parameter(p)]
+
+
+def _average(params: list[nn.Parameter], group, size: int, what: str) -> None:
+    """Average `.grad` of params over `group` (missing grads count as zero), coalesced."""
+    if size == 1 or not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for dtype in sorted(by_dtype, key=str):
+        grads = [p.grad for p in by_dtype[dtype]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        with collective_errors(what, group):
+            dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def allreduce_gradients(model: nn.Module, groups: ParallelGroups) -> None:
+    """Average replicated grads over the world and expert grads over the shard's DP group."""
+    _average(replicated_parameters(model), groups.world_group, groups.world_size,
+             "replicated-gradient all-reduce")
+    _average(expert_parameters(model), groups.dp_group, groups.dp_size,
+             "expert-gradient all-reduce")
+
+
+def global_mean_weight(num_local_tokens: int, groups: ParallelGroups,
+                       device=None) -> torch.Tensor:
+    """Factor w_r so that the ranks' mean of `w_r * (mean loss over local tokens)` is the mean
+    over all tokens of all ranks: w_r = world_size * n_r / N. One all-reduce."""
+    total = torch.tensor([float(num_local_tokens)], device=device)
+    with collective_errors("token-count all-reduce", groups.world_group):
+        dist.all_reduce(total, group=groups.world_group)
+    return groups.world_size * num_local_tokens / total.clamp_min(1.0)[0]
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Clip all grads by the global norm (after `allreduce_gradients`); returns the norm.
+
+    Replicated grads are identical on every rank and counted once; the EP group's expert
+    shards are disjoint, so their part is summed over the EP group.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0")
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"norm_type={norm_type!r} is not supported; use 2.0 or math.inf")
+    rep = [p.grad for p in replicated_parameters(model) if p.grad is not None]
+    exp = [p.grad for p in expert_parameters(model) if p.grad is not None]
+    device = next(model.parameters()).device
+    inf = norm_type == math.inf
+
+    def part(grads):
+        if not grads:
+            return torch.zeros((), device=device)
+        if inf:
+            return torch.stack([g.detach().abs().max().float() for g in grads]).max()
+        return sum(g.detach().float().square().sum() for g in grads)
+
+    exp_part = part(exp).reshape(1).clone()
+    with collective_errors("grad-norm all-reduce", groups.ep_group):
+        dist.all_reduce(exp_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                        group=groups.ep_group)
+    if inf:
+        total = torch.maximum(part(rep), exp_part[0])
+    else:
+        total = (part(rep) + exp_part[0]).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in rep + exp:
+        g.mul_(coef.to(g.dtype))
+    return total

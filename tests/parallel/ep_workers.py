@@ -1,0 +1,153 @@
+"""Rank bodies for the expert-parallel tests (run under moescale.parallel.launch.run_local).
+
+Every rank builds the same full single-process MoE from the same seed, generates every rank's
+tokens from the same seeds, and computes the single-process reference for the whole world
+locally (the ReferenceMoE sharing the full layer's parameters). It then runs its own tokens
+through the expert-parallel layer, back-propagates its share of the loss, synchronizes the
+gradients, and compares its output, its input gradient, the replicated (router) gradient and
+its expert shard's gradients against the reference. No gathering: each rank checks itself.
+
+Loss convention under test: L = (sum over all tokens of all ranks of <y_t, c_t>) / N + aux,
+where each rank back-propagates W * (its sum) / N + its aux (the ranks' mean is L).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from moescale.layers.moe import MoE
+from moescale.layers.reference import ReferenceMoE
+from moescale.parallel.expert_parallel import shard_moe
+from moescale.parallel.grad_sync import allreduce_gradients, clip_grad_norm_
+from moescale.parallel.groups import ParallelConfig, build_groups
+
+D, F = 8, 12
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def _full_moe(case: dict) -> MoE:
+    torch.manual_seed(1234)
+    experts = None
+    if case.get("module_experts"):
+        experts = [nn.Sequential(nn.Linear(D, F), nn.Tanh(), nn.Linear(F, D))
+                   for _ in range(case["E"])]
+    moe = MoE(D, case["E"], case["top_k"], d_ff=F, router="topk", glu=case.get("glu", False),
+              bias=case.get("bias", False), capacity_factor=case.get("capacity"),
+              aux_loss_coef=0.05, experts=experts)
+    dead = case.get("dead", ())
+    with torch.no_grad():
+        for e in dead:            # x[:, 0] is large and positive: these never win top-k
+            moe.router.weight[e, 0] = -20.0
+        for e in range(case["E"]):
+            if e not in dead:
+                moe.router.weight[e, 0] = 0.0
+    return moe
+
+
+def _inputs(case: dict, world: int):
+    gen = torch.Generator().manual_seed(99)
+    xs, cs = [], []
+    for r in range(world):
+        n = case["tokens"][r]
+        x = torch.randn(n, D, generator=gen)
+        x[:, 0] = 3.0 + x[:, 0].abs()
+        xs.append(x)
+        cs.append(torch.randn(n, D, generator=gen))
+    return xs, cs
+
+
+def _reference(case, full: MoE, xs, cs, ep_size: int):
+    """Outputs, input grads and parameter grads of the reference loss (on full's params)."""
+    ref = ReferenceMoE(full)
+    world = len(xs)
+    total = max(sum(x.shape[0] for x in xs), 1)
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    loss, ys = 0.0, []
+    for x, c in zip(leaves, cs):
+        if x.shape[0] == 0:
+            ys.append(x.new_zeros(0, D))
+            continue
+        y = ref(x)
+        ys.append(y)
+        loss = loss + (y * c).sum() / total
+    num_dp = world // ep_size
+    for g in range(num_dp):       # balance statistics are reduced over each EP group
+        x_g = torch.cat(leaves[g * ep_size:(g + 1) * ep_size])
+        ref(x_g)
+        loss = loss + ref.last_aux_loss / num_dp
+    full.zero_grad(set_to_none=True)
+    loss.backward()
+    return [y.detach() for y in ys], [x.grad for x in leaves], ref
+
+
+def _close(name, got, want, case):
+    if got is None or want is None:
+        if got is None and want is None:
+            return
+        if (got if got is not None else want).abs().max() == 0:
+            return
+        raise AssertionError(f"{case['name']}: {name}: one gradient is missing")
+    if got.shape != want.shape or not torch.allclose(got, want, atol=ATOL, rtol=RTOL):
+        err = (got - want).abs().max().item() if got.shape == want.shape else "shape"
+        raise AssertionError(f"{case['name']}: {name} differs from the reference "
+                             f"(max abs err {err}, shapes {tuple(got.shape)} vs "
+                             f"{tuple(want.shape)})")
+
+
+def check_against_reference(rank: int, world: int, cases: list[dict], ep_size: int | None):
+    groups = build_groups(ParallelConfig(ep_size=ep_size, backend="gloo", timeout_s=20))
+    done = []
+    for case in cases:
+        full = _full_moe(case)
+        xs, cs = _inputs(case, world)
+        y_ref, gx_ref, _ = _reference(case, full, xs, cs, groups.ep_size)
+        moe = shard_moe(full, groups)
+        x = xs[rank].clone().requires_grad_(True)
+        y = moe(x)
+        _close("output", y.detach(), y_ref[rank], case)
+        total = max(sum(t.shape[0] for t in xs), 1)
+        loss = world * (y * cs[rank]).sum() / total + moe.last_aux_loss
+        loss.backward()
+        allreduce_gradients(moe, groups)
+        # activation grads are those of this rank's own loss: W times dL/dx
+        _close("input grad", x.grad / world, gx_ref[rank], case)
+        _close("router grad", moe.router.weight.grad, full.router.weight.grad, case)
+        ids = moe.experts.expert_ids
+        for name, p in moe.experts.local.named_parameters():
+            if case.get("module_experts"):
+                idx, rest = name.split(".", 2)[1], name.split(".", 2)[2]
+                want = full.experts.experts[ids.start + int(idx)].get_parameter(rest).grad
+            else:
+                full_grad = getattr(full.experts, name).grad
+                want = None if full_grad is None else full_grad[ids.start:ids.stop]
+            _close(f"expert grad {name}", p.grad, want, case)
+        if case.get("clip"):
+            norm = clip_grad_norm_(moe, 1e-3, groups)
+            want = torch.nn.utils.clip_grad_norm_(list(full.parameters()), 1e-3)
+            _close("global grad norm", norm, want, case)
+        done.append(case["name"])
+    return done
+
+
+def die_or_dispatch(rank: int, world: int, mode: str, timeout_s: float):
+    """Rank 1 dies (or stalls) before the layer's first exchange; the others must fail."""
+    groups = build_groups(ParallelConfig(backend="gloo", timeout_s=timeout_s))
+    case = dict(E=2 * world, top_k=2)
+    moe = shard_moe(_full_moe(case), groups)
+    torch.distributed.barrier()
+    if rank == 1:
+        if mode == "die":
+            os._exit(7)
+        time.sleep(timeout_s * 1.5 + 1)
+        return "stalled"
+    x = torch.randn(5, D)
+    start = time.time()
+    try:
+        moe(x)
+    except RuntimeError as exc:
+        return ("raised", str(exc), time.time() - start)
+    return ("no error", "", time.time() - start)

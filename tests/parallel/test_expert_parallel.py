@@ -1,0 +1,75 @@
+"""Static expert parallelism on real gloo ranks against the single-process reference.
+
+Each run_local call starts W real processes (forked from a torch-preloaded fork server) and
+runs many cases in them; every rank checks its output and all gradients itself
+(tests/parallel/ep_workers.py). Also: groups validation, and failure (not hang) when a peer
+rank dies or stalls.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moescale.parallel.groups import ParallelConfig, split_ranks
+from moescale.parallel.launch import run_local
+
+from ep_workers import check_against_reference, die_or_dispatch
+
+pytestmark = pytest.mark.distributed
+
+
+def _cases(world: int) -> list[dict]:
+    E = 2 * world
+    full = [9, 4, 7, 5][:world]
+    uneven = [6, 0, 3, 1][:world]
+    last_rank_experts = tuple(range(E - 2, E))
+    return [
+        dict(name="top2 dropless", E=E, top_k=2, tokens=full, clip=True),
+        dict(name="top1 dropless", E=E, top_k=1, tokens=full),
+        dict(name="top2 capacity", E=E, top_k=2, tokens=full, capacity=0.75),
+        dict(name="top1 capacity", E=E, top_k=1, tokens=full, capacity=1.0),
+        dict(name="dead experts, idle rank, uneven tokens", E=E, top_k=2, tokens=uneven,
+             dead=(0,) + last_rank_experts),
+        dict(name="no tokens anywhere", E=E, top_k=2, tokens=[0] * world),
+        dict(name="glu, 3 experts per rank", E=3 * world, top_k=2, tokens=full, glu=True),
+        dict(name="bias, 1 expert per rank", E=world, top_k=1, tokens=full, bias=True),
+        dict(name="module experts", E=E, top_k=2, tokens=uneven, module_experts=True,
+             capacity=1.0),
+    ]
+
+
+def test_split_ranks_and_config_errors():
+    assert split_ranks(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert split_ranks(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    with pytest.raises(ValueError, match="ep_size=3 must divide the world size 4"):
+        split_ranks(4, 3)
+    with pytest.raises(ValueError, match="ep_size=0"):
+        ParallelConfig(ep_size=0)
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        ParallelConfig(backend="mpi")
+    with pytest.raises(ValueError, match="timeout_s"):
+        ParallelConfig(timeout_s=0)
+    assert ParallelConfig().resolved_backend() in ("gloo", "nccl")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (4, 2)])
+def test_matches_single_process_reference(world, ep_size):
+    results = run_local(check_against_reference, world, (_cases(world), ep_size),
+                        timeout_s=20, deadline_s=80)
+    assert all(len(r.value) == len(_cases(world)) for r in results)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_dead_or_stalled_rank_fails_fast(mode):
+    timeout_s = 3.0
+    results = run_local(die_or_dispatch, 2, (mode, timeout_s), timeout_s=timeout_s,
+                        deadline_s=40, raise_on_error=False)
+    outcome = results[0].value
+    assert results[0].ok, results[0].error
+    assert outcome[0] == "raised", outcome
+    assert "expert-parallel" in outcome[1] and "rank 0" in outcome[1], outcome[1]
+    assert outcome[2] < timeout_s + 10, outcome
+    if mode == "die":
+        assert results[1].exitcode == 7
