@@ -197,12 +197,15 @@ def shard_experts(experts: nn.Module, groups: ParallelGroups) -> ExpertShard:
     return ExpertShard(local, experts.num_experts, ids)
 
 
-def shard_moe(full: MoE, groups: ParallelGroups) -> MoE:
+def shard_moe(full: MoE, groups: ParallelGroups, dispatcher=None) -> MoE:
     """An expert-parallel copy of a single-process MoE: same router weights (replicated), this
-    rank's slice of the experts, an ExpertParallelDispatcher. `full` is left unchanged."""
+    rank's slice of the experts, `dispatcher` (default: an ExpertParallelDispatcher).
+    `full` is left unchanged."""
     weight = full.router.weight
+    if dispatcher is None:
+        dispatcher = ExpertParallelDispatcher(groups, full.num_experts)
     moe = MoE(config=full.config, experts=shard_experts(full.experts, groups),
-              dispatcher=ExpertParallelDispatcher(groups, full.num_experts),
+              dispatcher=dispatcher,
               device=weight.device, dtype=weight.dtype)
     moe.router.load_state_dict(full.router.state_dict())
     moe.train(full.training)

@@ -24,6 +24,7 @@ from moescale.layers.reference import ReferenceMoE
 from moescale.parallel.expert_parallel import shard_moe
 from moescale.parallel.grad_sync import allreduce_gradients, clip_grad_norm_
 from moescale.parallel.groups import ParallelConfig, build_groups
+from moescale.parallel.pipeline import PipelinedExpertParallelDispatcher
 
 D, F = 8, 12
 ATOL, RTOL = 2e-5, 1e-4
@@ -105,7 +106,11 @@ def check_against_reference(rank: int, world: int, cases: list[dict], ep_size: i
         full = _full_moe(case)
         xs, cs = _inputs(case, world)
         y_ref, gx_ref, _ = _reference(case, full, xs, cs, groups.ep_size)
-        moe = shard_moe(full, groups)
+        dispatcher = None
+        if "chunks" in case:
+            dispatcher = PipelinedExpertParallelDispatcher(
+                groups, case["E"], num_chunks=case["chunks"], strategy=case["strategy"])
+        moe = shard_moe(full, groups, dispatcher)
         x = xs[rank].clone().requires_grad_(True)
         y = moe(x)
         _close("output", y.detach(), y_ref[rank], case)

@@ -73,3 +73,31 @@ def test_dead_or_stalled_rank_fails_fast(mode):
     assert outcome[2] < timeout_s + 10, outcome
     if mode == "die":
         assert results[1].exitcode == 7
+
+
+def _pipeline_cases(world: int) -> list[dict]:
+    E = 2 * world
+    tokens = [9, 4, 7, 5][:world]       # bins of 0..9 rows: most not divisible by the chunks
+    cases = []
+    for chunks in (1, 2, 3, 4, 8):
+        for strategy in ("none", "S1", "S2", "S3", "S4"):
+            cases.append(dict(name=f"chunks={chunks} {strategy}", E=E, top_k=2, tokens=tokens,
+                              chunks=chunks, strategy=strategy, glu=chunks == 3))
+    cases += [
+        dict(name="pipeline top1 capacity", E=E, top_k=1, tokens=tokens, capacity=1.0,
+             chunks=3, strategy="S4"),
+        dict(name="pipeline idle rank", E=E, top_k=2, tokens=[6, 0, 3, 1][:world],
+             dead=(0, E - 2, E - 1), chunks=4, strategy="S2", bias=True),
+        dict(name="pipeline 1 expert per rank", E=world, top_k=1, tokens=tokens, chunks=2,
+             strategy="S3"),
+    ]
+    return cases
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipelined_matches_reference(world):
+    cases = _pipeline_cases(world)
+    results = run_local(check_against_reference, world, (cases, None), timeout_s=20,
+                        deadline_s=110)
+    assert all(len(r.value) == len(cases) for r in results)

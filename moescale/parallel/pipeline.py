@@ -1,0 +1,355 @@
+"""The pipelined expert-parallel exchange (MPipeMoE): chunked all-to-all overlapped with experts.
+
+`PipelinedAllToAll` is one autograd Function covering dispatch, the local grouped experts and
+the return exchange, with a hand-written, hand-pipelined backward:
+
+  forward   chunk k+1's dispatch all-to-all is in flight (async) while chunk k's experts run;
+            chunk k's result goes back on a second process group (the combine group), so the
+            two directions never queue behind each other.
+  backward  chunk k+1's output gradient travels (combine group) while chunk k's expert
+            backward runs; chunk k's input gradient goes back on the dispatch group.
+
+Chunks are cut inside every (peer, expert) bin: a bin of n rows gives rows
+[n*k//C, n*(k+1)//C) to chunk k. Sender and receiver know n (the counts exchange), so both
+compute the same cuts: no padding, no extra messages, one exchange per chunk and direction.
+
+Memory reuse (MPipeMoE's strategies; `none` keeps everything per chunk). What backward needs
+of each chunk is the dispatched input (DI) and the expert hidden (H):
+
+  strategy   DI                                  H
+  none       kept (one buffer per chunk)         kept
+  S1         offloaded to host, reloaded         offloaded, reloaded
+  S2         offloaded, reloaded                 recomputed (GEMM 1 re-run)
+  S3         re-communicated (dispatch re-run)   offloaded, reloaded
+  S4         re-communicated                     recomputed
+
+With a strategy other than `none` the forward receives every chunk into one of two rotating
+receive buffers (double buffering: chunk k computes while k+1 arrives), and nothing per chunk
+stays on the device. Offloaded copies are synchronous (correct everywhere; overlapping them on
+a side stream is not done yet).
+
+Gradient scale: as in `ExpertParallelDispatcher`, expert weight gradients are multiplied by
+1/W (the ranks' losses are averaged); input gradients are not.
+
+Legend: T tokens, R rows sent (grouped by global expert), S rows received in one chunk,
+D model width, F expert hidden width, W ranks of the EP group, L experts per rank, C chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moescale.dispatch.local import combine_rows
+from moescale.dispatch.plan import RoutingPlan
+from moescale.layers.experts import GroupedExperts, compute_dtype
+from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward, mm_into, segments
+from moescale.parallel.all_to_all import start_all_to_all
+from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, expert_major_order,
+                                               inverse_permutation)
+from moescale.parallel.groups import ParallelGroups
+
+STRATEGIES = {            # (dispatched input, hidden)
+    "none": ("keep", "keep"),
+    "S1": ("offload", "offload"),
+    "S2": ("offload", "recompute"),
+    "S3": ("recomm", "offload"),
+    "S4": ("recomm", "recompute"),
+}
+
+
+def ranges_index(starts: list[int], lengths: list[int], device) -> torch.Tensor:
+    """Concatenation of arange(start, start + length) over the ranges, as one index tensor."""
+    total = sum(lengths)
+    shifts, done = [], 0
+    for s, n in zip(starts, lengths):
+        shifts.append(s - done)
+        done += n
+    if not lengths:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    shift = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int64, device=device),
+                                    torch.tensor(lengths, dtype=torch.int64, device=device),
+                                    output_size=total)
+    return torch.arange(total, device=device) + shift
+
+
+def _cut(n: int, k: int, num_chunks: int) -> tuple[int, int]:
+    return n * k // num_chunks, n * (k + 1) // num_chunks
+
+
+@dataclass
+class ChunkLayout:
+    """One chunk: what this rank sends (rows of the plan, their tokens) and receives."""
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    row_idx: torch.Tensor            # positions in the plan's row order (R) of the sent rows
+    token_idx: torch.Tensor          # their tokens
+    perm: torch.Tensor | None        # received (source-major) -> expert-major
+    inv_perm: torch.Tensor | None
+    local_counts: list[int]          # rows per local expert in this chunk
+
+    @property
+    def num_recv(self) -> int:
+        return sum(self.recv_splits)
+
+
+def chunk_layouts(send_WL: list[list[int]], recv_WL: list[list[int]],
+                  token_idx_R: torch.Tensor, num_chunks: int) -> list[ChunkLayout]:
+    """Cut every (peer, expert) bin into num_chunks pieces (no padding)."""
+    device = token_idx_R.device
+    W, L = len(send_WL), len(send_WL[0])
+    offsets, off = {}, 0
+    for p in range(W):
+        for l in range(L):
+            offsets[p, l] = off
+            off += send_WL[p][l]
+    layouts = []
+    for k in range(num_chunks):
+        starts, lengths, send_splits = [], [], []
+        for p in range(W):
+            sent = 0
+            for l in range(L):
+                lo, hi = _cut(send_WL[p][l], k, num_chunks)
+                starts.append(offsets[p, l] + lo)
+                lengths.append(hi - lo)
+                sent += hi - lo
+            send_splits.append(sent)
+        recv_piece_WL = [[_cut(recv_WL[s][l], k, num_chunks)[1] -
+                          _cut(recv_WL[s][l], k, num_chunks)[0] for l in range(L)]
+                         for s in range(W)]
+        row_idx = ranges_index(starts, lengths, device)
+        perm, local_counts = expert_major_order(recv_piece_WL, device)
+        layouts.append(ChunkLayout(
+            send_splits=send_splits, recv_splits=[sum(r) for r in recv_piece_WL],
+            row_idx=row_idx, token_idx=token_idx_R.index_select(0, row_idx), perm=perm,
+            inv_perm=None if perm is None else inverse_permutation(perm),
+            local_counts=local_counts))
+    return layouts
+
+
+@dataclass
+class PipelineSpec:
+    """Everything the Function needs besides tensors (host data and groups)."""
+
+    layouts: list[ChunkLayout]
+    groups: ParallelGroups
+    strategy: str
+    num_rows: int                      # R: rows of the plan on this rank
+    grad_scale: float                  # multiplies expert weight gradients
+    stats: dict = field(default_factory=dict)   # filled in: buffer bytes, offloaded bytes
+
+
+def _offload(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.device.type == "cpu":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t)
+
+
+def _reload(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _hidden(x_RD: torch.Tensor, counts, w: FFNWeights):
+    """Recompute (h1_RF, h3_RF) exactly as ffn_forward does."""
+    hidden = w.w1_EDF.shape[2]
+    h1_RF = x_RD.new_empty(x_RD.shape[0], hidden)
+    h3_RF = x_RD.new_empty(x_RD.shape[0], hidden) if w.w3_EDF is not None else None
+    for e, s, t in segments(counts):
+        mm_into(h1_RF[s:t], x_RD[s:t], w.w1_EDF[e], None if w.b1_EF is None else w.b1_EF[e])
+        if h3_RF is not None:
+            mm_into(h3_RF[s:t], x_RD[s:t], w.w3_EDF[e])
+    return h1_RF, h3_RF
+
+
+def _reorder(t: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    return t if perm is None else t.index_select(0, perm)
+
+
+class _Dispatcher:
+    """Launches chunk k's dispatch; with reuse, into one of two rotating receive buffers."""
+
+    def __init__(self, x_TD: torch.Tensor, spec: PipelineSpec, reuse: bool) -> None:
+        self.x_TD, self.spec = x_TD, spec
+        self.slots = None
+        if reuse:
+            rows = max((lay.num_recv for lay in spec.layouts), default=0)
+            self.slots = [x_TD.new_empty(rows, x_TD.shape[1]) for _ in range(2)]
+            spec.stats["recv_buffer_bytes"] = sum(s.numel() * s.element_size()
+                                                  for s in self.slots)
+
+    def start(self, k: int, what: str):
+        lay = self.spec.layouts[k]
+        out = None if self.slots is None else self.slots[k % 2][:lay.num_recv]
+        return start_all_to_all(self.x_TD.index_select(0, lay.token_idx), lay.send_splits,
+                                lay.recv_splits, self.spec.groups.ep_group, what, out=out)
+
+
+class PipelinedAllToAll(torch.autograd.Function):
+    """y_RD (plan row order) = experts(x_TD[token of each row]) on the rows' owner ranks."""
+
+    @staticmethod
+    def forward(ctx, x_TD, spec: PipelineSpec, act, w1, w2, w3, b1, b2):
+        w = FFNWeights(w1, w2, w3, b1, b2)
+        di_mode, h_mode = STRATEGIES[spec.strategy]
+        lays, num_chunks = spec.layouts, len(spec.layouts)
+        combine_group = spec.groups.ep_combine_group
+        with torch.autocast(x_TD.device.type, enabled=False):
+            disp = _Dispatcher(x_TD, spec, reuse=spec.strategy != "none")
+            y_RD = x_TD.new_empty(spec.num_rows, w2.shape[2])
+            kept_x, kept_h, host_bytes = [], [], 0
+            pending, back = disp.start(0, "pipelined dispatch"), None
+            for k, lay in enumerate(lays):
+                x_recv = pending.wait()
+                if k + 1 < num_chunks:
+                    pending = disp.start(k + 1, "pipelined dispatch")
+                x_loc = _reorder(x_recv, lay.perm)
+                y_loc, h1, h3 = ffn_forward(x_loc, lay.local_counts, w, act)
+                ret = start_all_to_all(_reorder(y_loc, lay.inv_perm), lay.recv_splits,
+                                       lay.send_splits, combine_group, "pipelined combine")
+                if back is not None:
+                    y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
+                back = (k, ret)
+                if di_mode == "keep":
+                    kept_x.append(x_loc)
+                elif di_mode == "offload":
+                    kept_x.append(_offload(x_loc))
+                if h_mode == "keep":
+                    kept_h.append((h1, h3))
+                elif h_mode == "offload":
+                    kept_h.append((_offload(h1), _offload(h3)))
+                del x_recv, x_loc, y_loc, h1, h3
+            y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
+        for x_off in kept_x if di_mode == "offload" else ():
+            host_bytes += x_off.numel() * x_off.element_size()
+        for pair in kept_h if h_mode == "offload" else ():
+            host_bytes += sum(t.numel() * t.element_size() for t in pair if t is not None)
+        spec.stats["offloaded_bytes"] = host_bytes
+        ctx.spec, ctx.act = spec, act
+        ctx.host_x = kept_x if di_mode == "offload" else None
+        ctx.host_h = kept_h if h_mode == "offload" else None
+        device_x = kept_x if di_mode == "keep" else []
+        device_h = [t for pair in kept_h for t in pair if t is not None] if h_mode == "keep" \
+            else []
+        ctx.num_device_x = len(device_x)
+        ctx.save_for_backward(x_TD if di_mode == "recomm" else None, w1, w2, w3, b1, b2,
+                              *device_x, *device_h)
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, gy_RD):
+        spec, act = ctx.spec, ctx.act
+        x_TD, w1, w2, w3, b1, b2, *rest = ctx.saved_tensors
+        w = FFNWeights(w1, w2, w3, b1, b2)
+        di_mode, h_mode = STRATEGIES[spec.strategy]
+        device_x, device_h = rest[:ctx.num_device_x], rest[ctx.num_device_x:]
+        need_dx, w_needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        need_dw = any(w_needs)
+        lays, num_chunks = spec.layouts, len(spec.layouts)
+        groups = spec.groups
+        gy_RD = gy_RD.contiguous()
+        device = gy_RD.device
+        with torch.autocast(device.type, enabled=False):
+            def send_grad(k):
+                lay = lays[k]
+                return start_all_to_all(gy_RD.index_select(0, lay.row_idx), lay.send_splits,
+                                        lay.recv_splits, groups.ep_combine_group,
+                                        "pipelined backward (output grads)")
+
+            disp = _Dispatcher(x_TD, spec, reuse=True) if di_mode == "recomm" else None
+            pend_g = send_grad(0)
+            pend_x = disp.start(0, "pipelined backward (re-dispatch)") if disp else None
+            dx_TD, grads, back = None, None, None
+            for k, lay in enumerate(lays):
+                g_loc = _reorder(pend_g.wait(), lay.perm)
+                if k + 1 < num_chunks:
+                    pend_g = send_grad(k + 1)
+                if di_mode == "keep":
+                    x_loc = device_x[k]
+                elif di_mode == "offload":
+                    x_loc = _reload(ctx.host_x[k], device)
+                else:
+                    x_loc = _reorder(pend_x.wait(), lay.perm)
+                    if k + 1 < num_chunks:
+                        pend_x = disp.start(k + 1, "pipelined backward (re-dispatch)")
+                if h_mode == "keep":
+                    h_per = 2 if w3 is not None else 1
+                    h1, h3 = device_h[k * h_per], device_h[k * h_per + 1] if h_per == 2 \
+                        else None
+                elif h_mode == "offload":
+                    h1, h3 = (_reload(t, device) for t in ctx.host_h[k])
+                else:
+                    h1, h3 = _hidden(x_loc, lay.local_counts, w)
+                dx_loc, gw, _ = ffn_backward(g_loc, x_loc, h1, h3, lay.local_counts, w, act,
+                                             need_dx=need_dx, need_dw=need_dw)
+                del g_loc, x_loc, h1, h3
+                if need_dw:
+                    parts = (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
+                    grads = list(parts) if grads is None else \
+                        [None if a is None else a.add_(b) for a, b in zip(grads, parts)]
+                if need_dx:
+                    ret = start_all_to_all(_reorder(dx_loc, lay.inv_perm), lay.recv_splits,
+                                           lay.send_splits, groups.ep_group,
+                                           "pipelined backward (input grads)")
+                    if back is not None:
+                        dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(),
+                                          spec, gy_RD)
+                    back = (k, ret)
+            if back is not None:
+                dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), spec, gy_RD)
+        out_w = [None] * 5
+        if need_dw:
+            out_w = [None if g is None or not need else g.mul_(spec.grad_scale)
+                     for g, need in zip(grads, w_needs)]
+        return (dx_TD, None, None, *out_w)
+
+
+def _add_rows(dx_TD, token_idx, rows_RD, spec, like):
+    if dx_TD is None:
+        dx_TD = like.new_zeros(spec.stats["num_tokens"], like.shape[1])
+    return dx_TD.index_add_(0, token_idx, rows_RD)
+
+
+class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
+    """Static EP through `PipelinedAllToAll`: `num_chunks` chunks, reuse `strategy`.
+
+    Needs grouped experts (an ExpertShard over GroupedExperts): the pipelined backward calls the
+    grouped FFN kernels per chunk.
+    """
+
+    def __init__(self, groups: ParallelGroups, num_experts: int, *, num_chunks: int = 2,
+                 strategy: str = "none") -> None:
+        super().__init__(groups, num_experts)
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks={num_chunks!r} must be a positive integer")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} is unknown; use one of "
+                             f"{', '.join(STRATEGIES)}")
+        self.num_chunks, self.strategy = num_chunks, strategy
+        self.last_stats: dict = {}
+
+    def chunks_for(self, plan: RoutingPlan) -> int:
+        """The chunk count for this call (fixed here; the tuner overrides this)."""
+        return self.num_chunks
+
+    def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
+        local = getattr(experts, "local", None)
+        if not isinstance(local, GroupedExperts):
+            raise ValueError("the pipelined expert-parallel dispatcher needs grouped experts "
+                             "(an ExpertShard of GroupedExperts); use ExpertParallelDispatcher "
+                             f"for {type(local or experts).__name__}")
+        send_WL, recv_WL = self.route_counts(plan, x_TD.device)
+        layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, self.chunks_for(plan))
+        x_TD = x_TD.to(compute_dtype(x_TD))
+        w = local.weights(x_TD.dtype)
+        spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=self.strategy,
+                            num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
+        spec.stats["num_tokens"] = x_TD.shape[0]
+        self.last_stats = spec.stats
+        y_RD = PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF,
+                                       w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+        return combine_rows(y_RD, plan)
