@@ -1,0 +1,314 @@
+"""A GPT-style decoder-only language model whose feed-forward blocks are moescale MoE layers.
+
+Architecture (pre-norm): token embedding -> n_layers x [RMSNorm -> causal self-attention with
+rotary position embeddings (through `F.scaled_dot_product_attention(is_causal=True)`) ->
+residual; RMSNorm -> FFN -> residual] -> final RMSNorm -> LM head (optionally tied to the
+embedding). The FFN of layer i is an `moescale.MoE` when `config.is_moe_layer(i)` (every layer
+for `moe_every=1`, every other layer for `moe_every=2`, layers 1, 3, 5, ... as in GShard and
+Switch) and a dense FFN of the same shape otherwise.
+
+`model(idx_BS, targets_BS=None) -> (logits_BSV, loss)`: loss is the mean token cross-entropy
+(ignore_index=-100) plus `collect_aux_loss(model)`, the weighted router losses of this call;
+`model.last_loss_parts` keeps both parts detached for logging. `num_parameters()` gives total
+and active-per-token counts; `count_parameters(config)` does it on the meta device without
+allocating anything; `generate()` samples continuations (no KV cache: simple, for samples).
+
+Deliberately not here: KV caching, tensor parallelism, fused kernels, learned absolute position
+embeddings (rotary only), training loops and data (moescale.train), named sizes (sizes.py).
+
+Legend: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary, T = B*S.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moescale.layers.activations import ACTIVATIONS, Activation
+from moescale.layers.experts import GroupedExperts
+from moescale.layers.moe import MoE, collect_aux_loss
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """Plain-data description of a GPT MoE language model (validated on construction).
+
+    d_ff: hidden width of each expert and of the dense FFNs (None: 4 * d_model).
+    moe_every: 1 puts an MoE FFN in every layer, 2 in every other layer (layers 1, 3, ...),
+        n in layers n-1, 2n-1, ...; 0 builds a fully dense model (a baseline).
+    router / capacity_factor / aux_loss_coef / z_loss_coef: passed to each `moescale.MoE`.
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int | None = None
+    num_experts: int = 8
+    top_k: int = 2
+    router: str = "topk"
+    capacity_factor: float | None = None
+    glu: bool = False
+    activation: str = "gelu"
+    moe_every: int = 1
+    tie_embeddings: bool = True
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    dropout: float = 0.0
+    bias: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "num_experts",
+                     "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        if not isinstance(self.d_ff, int) or self.d_ff < 1:
+            raise ValueError(f"d_ff={self.d_ff!r} must be a positive integer or None "
+                             "(None means 4 * d_model)")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads="
+                             f"{self.n_heads}; pick n_heads dividing d_model")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"head width d_model/n_heads={self.d_model // self.n_heads} must be "
+                             "even for rotary embeddings; change d_model or n_heads")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} is larger than num_experts="
+                             f"{self.num_experts}; use top_k <= num_experts")
+        if not isinstance(self.moe_every, int) or self.moe_every < 0:
+            raise ValueError(f"moe_every={self.moe_every!r} must be an integer >= 0 "
+                             "(1: every layer, 2: every other layer, 0: dense model)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is unknown; use one of "
+                             f"{', '.join(ACTIVATIONS)}")
+        if self.glu and self.bias:
+            raise ValueError("glu=True with bias=True is not supported (GLU experts are "
+                             "bias-free); set bias=False")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout!r} must lie in [0, 1)")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None "
+                             "for dropless routing")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has an MoE FFN."""
+        return self.moe_every > 0 and layer % self.moe_every == self.moe_every - 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+
+class ParamCount(NamedTuple):
+    total: int    # every parameter once (a tied embedding counts once)
+    active: int   # parameters one token touches: top_k of the num_experts experts per MoE layer
+    expert: int   # parameters inside experts (the part offloading moves)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_SR, sin_SR (R = head_dim / 2) in fp32 for positions 0..seq_len-1."""
+    inv_freq_R = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                           / head_dim)
+    angle_SR = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq_R
+    return angle_SR.cos(), angle_SR.sin()
+
+
+def apply_rotary(x_BHSK: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor
+                 ) -> torch.Tensor:
+    """Rotate pairs (x[..., r], x[..., r + R]) by position angles (the half-split convention)."""
+    half = x_BHSK.shape[-1] // 2
+    x1, x2 = x_BHSK[..., :half].float(), x_BHSK[..., half:].float()
+    out = torch.cat([x1 * cos_SR - x2 * sin_SR, x2 * cos_SR + x1 * sin_SR], dim=-1)
+    return out.to(x_BHSK.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.dropout = cfg.n_heads, cfg.head_dim, cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor
+                ) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        qkv = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q_BHSK, k_BHSK, v_BHSK = qkv.unbind(0)
+        q_BHSK = apply_rotary(q_BHSK, cos_SR, sin_SR)
+        k_BHSK = apply_rotary(k_BHSK, cos_SR, sin_SR)
+        o_BHSK = F.scaled_dot_product_attention(
+            q_BHSK, k_BHSK, v_BHSK, is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(o_BHSK.transpose(1, 2).reshape(B, S, D))
+
+
+class DenseFFN(nn.Module):
+    """One expert's math as a dense block: act(x W1 + b1) W2 + b2, or (act(x W1) * x W3) W2."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.act = Activation(cfg.activation)
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.glu else None
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act.forward(self.w1(x))
+        if self.w3 is not None:
+            h = h * self.w3(x)
+        return self.w2(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        if cfg.is_moe_layer(layer):
+            self.ffn = MoE(cfg.d_model, cfg.num_experts, cfg.top_k, d_ff=cfg.d_ff,
+                           activation=cfg.activation, glu=cfg.glu, bias=cfg.bias,
+                           router=cfg.router, capacity_factor=cfg.capacity_factor,
+                           aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
+        else:
+            self.ffn = DenseFFN(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BSD, cos_SR, sin_SR):
+        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD), cos_SR, sin_SR))
+        return x_BSD + self.drop(self.ffn(self.ffn_norm(x_BSD)))
+
+
+class GPT(nn.Module):
+    """Decoder-only MoE language model; see the module docstring."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}; build "
+                             "one with GPTConfig(...) or moescale.models.gpt_config(name)")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.last_loss_parts: dict[str, torch.Tensor] = {}
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std); output projections scaled by 1/sqrt(2 n_layers)."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_out = name.endswith(("attn.proj", "ffn.w2"))
+                nn.init.normal_(module.weight, std=out_std if is_out else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, GroupedExperts):
+                for p in (module.w1_EDF, module.w3_EDF):
+                    if p is not None:
+                        nn.init.normal_(p, std=std)
+                nn.init.normal_(module.w2_EFD, std=out_std)
+                for p in (module.b1_EF, module.b2_ED):
+                    if p is not None:
+                        nn.init.zeros_(p)
+
+    def forward(self, idx_BS: torch.Tensor, targets_BS: torch.Tensor | None = None):
+        cfg = self.config
+        if idx_BS.dim() != 2 or idx_BS.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx has shape {tuple(idx_BS.shape)} and dtype {idx_BS.dtype}; "
+                             "it must be integer token ids of shape [batch, seq]")
+        S = idx_BS.shape[1]
+        if S > cfg.seq_len:
+            raise ValueError(f"sequence length {S} exceeds seq_len={cfg.seq_len}; crop the "
+                             f"input or build the model with seq_len >= {S}")
+        cos_SR, sin_SR = rotary_cos_sin(S, cfg.head_dim, cfg.rope_theta, idx_BS.device)
+        x_BSD = self.drop(self.tok_emb(idx_BS))
+        for block in self.blocks:
+            x_BSD = block(x_BSD, cos_SR, sin_SR)
+        logits_BSV = self.lm_head(self.norm(x_BSD))
+        if targets_BS is None:
+            return logits_BSV, None
+        if targets_BS.shape != idx_BS.shape:
+            raise ValueError(f"targets shape {tuple(targets_BS.shape)} must equal idx shape "
+                             f"{tuple(idx_BS.shape)}")
+        ce = F.cross_entropy(logits_BSV.float().reshape(-1, cfg.vocab_size),
+                             targets_BS.reshape(-1), ignore_index=-100)
+        aux = collect_aux_loss(self)
+        self.last_loss_parts = {"ce": ce.detach(), "aux": aux.detach()}
+        return logits_BSV, ce + aux
+
+    def num_parameters(self) -> ParamCount:
+        """Total, active-per-token and expert parameter counts (tied weights count once)."""
+        total = sum(p.numel() for p in self.parameters())
+        expert = inactive = 0
+        for module in self.modules():
+            if isinstance(module, MoE):
+                n = sum(p.numel() for p in module.experts.parameters())
+                expert += n
+                inactive += n * (module.num_experts - module.config.top_k) // module.num_experts
+        return ParamCount(total=total, active=total - inactive, expert=expert)
+
+    @torch.no_grad()
+    def generate(self, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+        """Append `max_new_tokens` sampled tokens (temperature 0: greedy); eval mode inside."""
+        if max_new_tokens < 0 or temperature < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} and temperature={temperature} "
+                             "must be >= 0")
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits_BSV, _ = self(idx_BS[:, -self.config.seq_len:])
+                logits_BV = logits_BSV[:, -1, :].float()
+                if temperature == 0:
+                    next_B1 = logits_BV.argmax(-1, keepdim=True)
+                else:
+                    logits_BV = logits_BV / temperature
+                    if top_k is not None:
+                        kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]))[0][:, -1:]
+                        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+                    next_B1 = torch.multinomial(torch.softmax(logits_BV, -1), 1,
+                                                generator=generator)
+                idx_BS = torch.cat([idx_BS, next_B1], dim=1)
+        finally:
+            self.train(was_training)
+        return idx_BS
+
+
+def count_parameters(config: GPTConfig) -> ParamCount:
+    """Parameter counts of `GPT(config)` built on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return model.num_parameters()
