@@ -12,15 +12,18 @@ Legend: T tokens, D model width, E experts, K experts per token.
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib
 import io
 import math
+import pkgutil
 
 import pytest
 import torch
 from torch import nn
 
-from moescale import MoE, ReferenceMoE, collect_aux_loss
+from moescale import MoE, MoEConfig, ReferenceMoE, collect_aux_loss
 
 D_MODEL, D_FF = 16, 32
 ROUTERS = [pytest.param("topk", 2, id="topk"), pytest.param("noisy_topk", 2, id="noisy_topk"),
@@ -256,3 +259,52 @@ def test_layer_can_be_copied_or_pickled_after_a_call(how):
     assert twin.last_aux_loss is None and twin.last_stats is None
     torch.testing.assert_close(twin(make_input(8)), y)
     assert moe.last_aux_loss is not None  # the original keeps its record
+
+
+def test_config_object_and_keyword_arguments_build_the_same_layer():
+    config = MoEConfig(d_model=D_MODEL, num_experts=4, top_k=2, d_ff=D_FF, router="gshard",
+                       capacity_factor=1.5, glu=True)
+    torch.manual_seed(0)
+    from_config = MoE(config=config)
+    from_kwargs = build(router="gshard", capacity_factor=1.5, glu=True)
+    assert from_config.config == from_kwargs.config
+    x = make_input(10)
+    torch.testing.assert_close(from_config.eval()(x), from_kwargs.eval()(x))
+
+
+FOUNDATION_PACKAGES = ("moescale.layers", "moescale.routing", "moescale.dispatch")
+
+
+def foundation_modules():
+    for package_name in FOUNDATION_PACKAGES:
+        package = importlib.import_module(package_name)
+        yield package
+        for info in pkgutil.iter_modules(package.__path__, package_name + "."):
+            yield importlib.import_module(info.name)
+
+
+def test_foundation_modules_hold_no_module_level_mutable_state():
+    for module in foundation_modules():
+        for name, value in vars(module).items():
+            if not name.startswith("__"):
+                assert not isinstance(value, (list, dict, set, bytearray)), \
+                    f"{module.__name__}.{name} is module-level mutable {type(value).__name__}"
+
+
+def test_layers_and_routing_never_use_torch_distributed():
+    for module in foundation_modules():
+        if module.__name__.startswith("moescale.dispatch"):
+            continue
+        with open(module.__file__, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute):
+                names = [ast.unparse(node)]
+            else:
+                continue
+            assert not any(n.startswith("torch.distributed") for n in names), \
+                f"{module.__name__} uses torch.distributed (line {node.lineno})"
