@@ -156,3 +156,54 @@ def die_or_dispatch(rank: int, world: int, mode: str, timeout_s: float):
     except RuntimeError as exc:
         return ("raised", str(exc), time.time() - start)
     return ("no error", "", time.time() - start)
+
+
+def check_primitives(rank: int, world: int):
+    """torchrun-style init from the environment, the autograd all-to-all (sync and async),
+    the counts exchange, and the user errors of the dispatchers."""
+    from moescale.parallel.all_to_all import (all_to_all_rows, all_to_all_rows_async,
+                                              exchange_counts)
+    from moescale.parallel.expert_parallel import ExpertParallelDispatcher
+    from moescale.parallel.grad_sync import global_mean_weight
+    from moescale.parallel.groups import init_distributed
+
+    groups = init_distributed(ParallelConfig(backend="gloo", timeout_s=20))
+    assert (groups.rank, groups.world_size, groups.ep_size, groups.dp_size) == \
+        (rank, world, world, 1)
+
+    def rows(src, dst):           # uneven, some zero
+        return (src + 2 * dst) % 3
+
+    send = [rows(rank, p) for p in range(world)]
+    recv = [rows(s, rank) for s in range(world)]
+    x = torch.cat([torch.full((send[p], 2), 10.0 * rank + p) for p in range(world)])
+    for use_async in (False, True):
+        leaf = x.clone().requires_grad_(True)
+        if use_async:
+            out, handle = all_to_all_rows_async(leaf, send, recv, grad_scale=0.5)
+            out = handle.wait()
+        else:
+            out = all_to_all_rows(leaf, send, recv, grad_scale=0.5)
+        want = torch.cat([torch.full((recv[s], 2), 10.0 * s + rank) for s in range(world)])
+        assert torch.equal(out, want), (out, want)
+        (out * (out + 1)).sum().backward()     # d/dout = 2 out + 1, sent back, times 0.5
+        assert torch.equal(leaf.grad, 0.5 * (2 * x + 1)), leaf.grad
+    counts = torch.tensor([[rows(rank, p), 7 * rank + p] for p in range(world)])
+    got = exchange_counts(counts).tolist()
+    assert got == [[rows(s, rank), 7 * s + rank] for s in range(world)], got
+    weight = global_mean_weight(rank + 1, groups)
+    total = world * (world + 1) / 2
+    assert abs(weight.item() - world * (rank + 1) / total) < 1e-6
+    errors = []
+    try:
+        ExpertParallelDispatcher(groups, 2 * world + 1)
+    except ValueError as exc:
+        errors.append(str(exc))
+    case = dict(E=2 * world, top_k=1, module_experts=True)
+    moe = shard_moe(_full_moe(case), groups,
+                    PipelinedExpertParallelDispatcher(groups, 2 * world, num_chunks=2))
+    try:
+        moe(torch.randn(3, D))
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors

@@ -13,7 +13,7 @@ import pytest
 from moescale.parallel.groups import ParallelConfig, split_ranks
 from moescale.parallel.launch import run_local
 
-from ep_workers import check_against_reference, die_or_dispatch
+from ep_workers import check_against_reference, check_primitives, die_or_dispatch
 
 pytestmark = pytest.mark.distributed
 
@@ -101,3 +101,11 @@ def test_pipelined_matches_reference(world):
     results = run_local(check_against_reference, world, (cases, None), timeout_s=20,
                         deadline_s=110)
     assert all(len(r.value) == len(cases) for r in results)
+
+
+@pytest.mark.timeout(60)
+def test_primitives_and_torchrun_environment():
+    results = run_local(check_primitives, 3, init_group=False, timeout_s=20, deadline_s=50)
+    errors = results[0].value
+    assert "num_experts=7 must be a positive multiple of the expert-parallel size 3" in errors[0]
+    assert "needs grouped experts" in errors[1]
