@@ -1,0 +1,1 @@
+"""Training: configuration, data, the loop, checkpoints, metrics, report and the `train` CLI."""

@@ -1,0 +1,172 @@
+"""Checkpoints: one self-verifying safetensors file per saved step, written atomically.
+
+A checkpoint `ckpt_<step>.safetensors` holds every tensor (model parameters and buffers under
+`model.`, AdamW state under `optim.`, torch's RNG state) and, in the safetensors metadata, a JSON
+`state` (step, config, data generator state, optimizer hyper-parameters, anything small) and a
+`sha256` over that JSON and every tensor's bytes in name order. Nothing is pickled.
+
+Writing goes to a temp file in the same directory, is fsynced, then `os.replace`d into place, so
+a crash leaves either the old set or the new one. After a save only the newest `keep_last`
+checkpoints are kept. Loading verifies the checksum; a truncated or corrupted file raises
+`CheckpointError` with the path and the reason, and `load_latest` then falls back to the
+previous checkpoint (reporting what it skipped), never deleting the bad file itself.
+
+This file knows nothing of the training loop beyond "a dict of tensors plus a JSON state".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+_NAME = re.compile(r"ckpt_(\d{8})\.safetensors")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted (truncated, corrupted, or not ours)."""
+
+
+def _digest(state_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(state_json.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def checkpoint_path(ckpt_dir: str | Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"ckpt_{step:08d}.safetensors"
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint in the directory, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), ckpt_dir / m.group(0))
+             for m in map(_NAME.fullmatch, os.listdir(ckpt_dir)) if m]
+    return sorted(found)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
+                    state: dict, keep_last: int) -> Path:
+    """Write `ckpt_<step>` atomically, then drop all but the newest `keep_last`."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    flat = {}
+    for name, value in tensors.items():   # tied weights share storage: store a copy each
+        value = value.detach().contiguous().cpu()
+        ptr = value.untyped_storage().data_ptr() if value.numel() else -1
+        flat[name] = value.clone() if ptr in seen else value
+        seen.add(ptr)
+    tensors = flat
+    state_json = json.dumps(state, sort_keys=True)
+    meta = {"state": state_json, "sha256": _digest(state_json, tensors), "format": "moescale/1"}
+    final = checkpoint_path(ckpt_dir, step)
+    tmp = ckpt_dir / f".{final.name}.tmp{os.getpid()}"
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(ckpt_dir)
+    for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, state) of one checkpoint; CheckpointError if it fails verification."""
+    path = Path(path)
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} is unreadable (truncated or "
+                              f"corrupted): {str(err).splitlines()[0]}") from None
+    if meta.get("format") != "moescale/1" or "state" not in meta or "sha256" not in meta:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a moescale checkpoint "
+                              "(metadata missing)")
+    if _digest(meta["state"], tensors) != meta["sha256"]:
+        raise CheckpointError(f"checkpoint {str(path)!r} failed its checksum (corrupted); "
+                              "it is left in place and not used")
+    return tensors, json.loads(meta["state"])
+
+
+def load_latest(ckpt_dir: str | Path, warn=print):
+    """The newest checkpoint that verifies: (path, tensors, state). Bad ones are reported
+    through `warn` and skipped; ValueError if none verifies."""
+    found = list_checkpoints(ckpt_dir)
+    if not found:
+        raise ValueError(f"no checkpoint in {str(ckpt_dir)!r}; nothing to resume (train first, "
+                         "or start a new run without --resume)")
+    errors = []
+    for _, path in reversed(found):
+        try:
+            tensors, state = load_checkpoint(path)
+        except CheckpointError as err:
+            errors.append(str(err))
+            warn(f"warning: {err}; trying the previous checkpoint")
+            continue
+        return path, tensors, state
+    raise CheckpointError("; ".join(errors) + "; no usable checkpoint left to resume from")
+
+
+def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer's state_dict as (tensors named optim.<param>.<key>, JSON-able rest)."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{pid}.{key}"] = value
+            else:
+                scalars[f"{pid}.{key}"] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+              for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def optimizer_from_flat(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                        rest: dict) -> None:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, pid, key = name.split(".", 2)
+            state.setdefault(int(pid), {})[key] = value
+    for name, value in rest["scalars"].items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = value
+    groups = []
+    for g in rest["param_groups"]:
+        g = dict(g)
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

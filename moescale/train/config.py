@@ -1,0 +1,407 @@
+"""The training configuration: a tree of plain dataclasses, loaded from TOML plus dotted overrides.
+
+`RunConfig` holds one section per concern (model, data, optim, train, offload, parallel). Every
+field is plain data with a default and is validated in `__post_init__`; a bad value raises
+`ValueError` naming the option (`model.top_k`), the value and the fix. `load_config(file,
+overrides)` reads `--config FILE.toml`, applies `--section.field value` overrides converting the
+text by the field's annotated type, and re-validates. `help_text()` lists every option with its
+type and default; `to_toml()` writes the resolved tree (None values are omitted: TOML has no null).
+
+Options of later issues (offload modes and budgets, expert parallelism, chunking, reuse) are
+accepted and validated here, but `check_supported()` refuses any value the trainer cannot run
+yet, with a clear message, instead of silently ignoring it.
+
+This file builds no model and touches no tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+MODEL_SIZES = ("tiny", "small", "moe-s", "moe-m", "moe-l")
+ROUTERS = ("topk", "noisy_topk", "switch", "gshard")
+PRECISIONS = ("fp32", "bf16")
+SCHEDULES = ("cosine", "linear", "constant")
+OFFLOAD_MODES = ("device-only", "auto", "pin", "host", "disk")
+REUSE_STRATEGIES = ("none", "S1", "S2", "S3", "S4")
+TOKEN_DTYPES = ("uint8", "uint16", "int32")
+
+# The default run (`moescale train` with no options) takes about 5 minutes on an unloaded
+# 2-core machine with these settings (measured; see the README).
+DEFAULT_STEPS = 600
+
+
+def _need(cond: bool, option: str, value, fix: str) -> None:
+    if not cond:
+        raise ValueError(f"{option}={value!r} is invalid: {fix}")
+
+
+def parse_bytes(text: str, option: str) -> int | None:
+    """'' -> None; '512MiB', '2GB', '1e9', '4096' -> bytes. Raises ValueError naming `option`."""
+    text = str(text).strip()
+    if not text:
+        return None
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    match = re.fullmatch(r"([0-9.eE+]+)\s*([a-zA-Z]*)", text)
+    if match is None or match.group(2).lower() not in units:
+        raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB', '2GB' or a "
+                         "number of bytes")
+    try:
+        value = float(match.group(1)) * units[match.group(2).lower()]
+    except ValueError:
+        raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or '2GB'") from None
+    _need(value > 0 and math.isfinite(value), option, text, "a budget must be positive")
+    return int(value)
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    """The MoE GPT: a named size, and overrides of its fields (None: the size's value)."""
+
+    size: str = "tiny"
+    n_layers: int | None = None
+    d_model: int | None = None
+    n_heads: int | None = None
+    d_ff: int | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    router: str | None = None
+    capacity_factor: float | None = None   # unset: dropless
+    moe_every: int | None = None           # 1: every layer MoE, 2: every other, 0: dense
+    glu: bool | None = None
+    activation: str | None = None
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
+    dropout: float | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.size in MODEL_SIZES, "model.size", self.size,
+              f"choose one of {', '.join(MODEL_SIZES)}")
+        for name in ("n_layers", "d_model", "n_heads", "d_ff", "num_experts", "top_k"):
+            value = getattr(self, name)
+            _need(value is None or value >= 1, f"model.{name}", value, "must be >= 1")
+        if self.num_experts is not None and self.top_k is not None:
+            _need(self.top_k <= self.num_experts, "model.top_k", self.top_k,
+                  f"top_k must be <= model.num_experts={self.num_experts}")
+        _need(self.router is None or self.router in ROUTERS, "model.router", self.router,
+              f"choose one of {', '.join(ROUTERS)}")
+        _need(self.moe_every is None or self.moe_every >= 0, "model.moe_every", self.moe_every,
+              "must be >= 0 (0 builds a dense model)")
+        _need(self.capacity_factor is None or self.capacity_factor > 0, "model.capacity_factor",
+              self.capacity_factor, "must be > 0 (leave it unset for dropless routing)")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            _need(value is None or value >= 0, f"model.{name}", value, "must be >= 0")
+        _need(self.dropout is None or 0 <= self.dropout < 1, "model.dropout", self.dropout,
+              "must lie in [0, 1)")
+
+    def overrides(self) -> dict:
+        """The fields set explicitly (not None), size excluded: passed to gpt_config."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "size" and getattr(self, f.name) is not None}
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    """Training text. path '' is the built-in corpus (the Python standard library's source)."""
+
+    path: str = ""              # '' | text file | directory | token .bin; comma-separated list ok
+    cache_dir: str = ""         # '' -> ~/.cache/moescale (the built-in corpus' token file)
+    val_fraction: float = 0.05  # share of files (or of the tail of one file) held out
+    token_dtype: str = "uint8"  # element type of a token .bin
+    vocab_size: int = 256       # byte-level by default; raise it for a .bin of larger ids
+
+    def __post_init__(self) -> None:
+        _need(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction,
+              "must lie strictly between 0 and 1")
+        _need(self.token_dtype in TOKEN_DTYPES, "data.token_dtype", self.token_dtype,
+              f"choose one of {', '.join(TOKEN_DTYPES)}")
+        _need(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be >= 2")
+
+
+@dataclass(kw_only=True)
+class OptimSection:
+    """AdamW and the learning-rate schedule (linear warmup, then decay to min_lr)."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0      # global norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _need(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _need(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr,
+              f"must lie in [0, optim.lr={self.lr}]")
+        _need(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _need(self.schedule in SCHEDULES, "optim.schedule", self.schedule,
+              f"choose one of {', '.join(SCHEDULES)}")
+        _need(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("beta1", "beta2"):
+            _need(0 <= getattr(self, name) < 1, f"optim.{name}", getattr(self, name),
+                  "must lie in [0, 1)")
+        _need(self.eps > 0, "optim.eps", self.eps, "must be > 0")
+        _need(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip,
+              "must be >= 0 (0 disables clipping)")
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    """The loop: length, batch shape, evaluation, checkpoints, precision, where to write."""
+
+    steps: int = DEFAULT_STEPS
+    batch_size: int = 8
+    seq_len: int = 128
+    grad_accum: int = 1          # micro-batches per optimizer step
+    eval_interval: int = 100     # steps between validation losses (0: only at the end)
+    eval_batches: int = 8
+    checkpoint_interval: int = 200   # steps between checkpoints (0: only at the end)
+    keep_last: int = 2           # checkpoints kept
+    seed: int = 1234
+    precision: str = "fp32"
+    device: str = "auto"         # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
+    threads: int = 0             # torch intra-op threads (0: torch's default)
+    run_dir: str = ""            # '' -> runs/<timestamp>
+    sample_tokens: int = 200     # length of the generated sample at the end (0: none)
+    progress: bool = True        # tqdm progress bar on stderr
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches",
+                     "keep_last"):
+            _need(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
+                  "must be >= 1")
+        for name in ("eval_interval", "checkpoint_interval", "threads", "sample_tokens"):
+            _need(getattr(self, name) >= 0, f"train.{name}", getattr(self, name),
+                  "must be >= 0")
+        _need(self.precision in PRECISIONS, "train.precision", self.precision,
+              f"choose one of {', '.join(PRECISIONS)}")
+        _need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "train.device",
+              self.device, "use auto, cpu, cuda or cuda:N")
+
+
+@dataclass(kw_only=True)
+class OffloadSection:
+    """Expert offloading (ES-MoE). Only 'device-only' runs in this version."""
+
+    mode: str = "device-only"
+    device_budget: str = ""     # bytes the (real or simulated) device may hold, e.g. '2GiB'
+    host_budget: str = ""
+    disk_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _need(self.mode in OFFLOAD_MODES, "offload.mode", self.mode,
+              f"choose one of {', '.join(OFFLOAD_MODES)}")
+        parse_bytes(self.device_budget, "offload.device_budget")
+        parse_bytes(self.host_budget, "offload.host_budget")
+
+
+@dataclass(kw_only=True)
+class ParallelSection:
+    """Expert parallelism and pipelining (FastMoE, MPipeMoE). Only 1 / 1 / none run yet."""
+
+    ep_size: int = 1
+    chunks: int = 1
+    reuse: str = "none"
+
+    def __post_init__(self) -> None:
+        _need(self.ep_size >= 1, "parallel.ep_size", self.ep_size, "must be >= 1")
+        _need(self.chunks >= 1, "parallel.chunks", self.chunks, "must be >= 1")
+        _need(self.reuse in REUSE_STRATEGIES, "parallel.reuse", self.reuse,
+              f"choose one of {', '.join(REUSE_STRATEGIES)}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The whole configuration of one training run."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+
+    def check_supported(self) -> None:
+        """Refuse options that later issues will wire, rather than ignoring them."""
+        later = [("offload.mode", self.offload.mode, "device-only",
+                  "expert offloading is not wired into `moescale train` yet"),
+                 ("parallel.ep_size", self.parallel.ep_size, 1,
+                  "expert parallelism is not wired into `moescale train` yet"),
+                 ("parallel.chunks", self.parallel.chunks, 1,
+                  "pipelined all-to-all chunks need expert parallelism, not wired yet"),
+                 ("parallel.reuse", self.parallel.reuse, "none",
+                  "memory-reuse strategies need expert parallelism, not wired yet")]
+        for option, value, supported, why in later:
+            if value != supported:
+                raise ValueError(f"{option}={value!r} is not supported yet: {why}; "
+                                 f"use {option}={supported!r}")
+
+
+CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTERS, "optim.schedule": SCHEDULES,
+           "train.precision": PRECISIONS, "offload.mode": OFFLOAD_MODES,
+           "parallel.reuse": REUSE_STRATEGIES, "data.token_dtype": TOKEN_DTYPES}
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _field_hints(section_cls) -> dict[str, object]:
+    return typing.get_type_hints(section_cls)
+
+
+def _unwrap_optional(hint):
+    """(base type, optional?) of an annotation like `int | None`."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        assert len(args) == 1, hint
+        return args[0], True
+    return hint, False
+
+
+def convert(text, hint, option: str):
+    """Convert `text` (a CLI string or a TOML value) to the annotated type of `option`."""
+    base, optional = _unwrap_optional(hint)
+    if isinstance(text, str) and optional and text.strip().lower() in ("none", "null", ""):
+        return None
+    if base is bool:
+        if isinstance(text, bool):
+            return text
+        low = str(text).strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{option}={text!r} is not a boolean; use true or false")
+    if base is int:
+        if isinstance(text, bool) or (isinstance(text, float) and not text.is_integer()):
+            raise ValueError(f"{option}={text!r} is not an integer")
+        try:
+            return int(text) if not isinstance(text, str) else int(text.strip(), 0)
+        except ValueError:
+            raise ValueError(f"{option}={text!r} is not an integer") from None
+    if base is float:
+        if isinstance(text, bool):
+            raise ValueError(f"{option}={text!r} is not a number")
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{option}={text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{option}={text!r} must be a finite number")
+        return value
+    if base is str:
+        if not isinstance(text, str):
+            raise ValueError(f"{option}={text!r} must be a string")
+        return text
+    raise AssertionError(f"unsupported option type {hint} for {option}")
+
+
+def _build(values: dict[str, dict[str, object]]) -> RunConfig:
+    sections = {}
+    for name, cls in _section_types().items():
+        sections[name] = cls(**values.get(name, {}))
+    return RunConfig(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None,
+                base: dict | None = None) -> RunConfig:
+    """Build a RunConfig from `base` (a dict tree), then a TOML file, then dotted overrides."""
+    values: dict[str, dict[str, object]] = {}
+    types_ = _section_types()
+
+    def put(option: str, raw) -> None:
+        section, _, name = option.partition(".")
+        if section not in types_ or not name:
+            raise ValueError(f"unknown option {option!r}; options look like "
+                             f"--section.name with section one of {', '.join(types_)} "
+                             "(see --help)")
+        hints = _field_hints(types_[section])
+        if name not in hints:
+            raise ValueError(f"unknown option {option!r}; {section} has "
+                             f"{', '.join(sorted(hints))} (see --help)")
+        values.setdefault(section, {})[name] = convert(raw, hints[name], option)
+
+    def put_tree(tree: dict, origin: str) -> None:
+        for section, body in tree.items():
+            if not isinstance(body, dict):
+                raise ValueError(f"{origin}: {section!r} must be a table like [{section}] "
+                                 "holding options")
+            for name, raw in body.items():
+                put(f"{section}.{name}", raw)
+
+    if base:
+        put_tree(base, "base config")
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--config {str(path)!r} does not exist; give a TOML file")
+        try:
+            tree = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"--config {str(path)!r} is not valid TOML: {err}") from None
+        put_tree(tree, str(path))
+    for option, raw in (overrides or {}).items():
+        put(option, raw)
+    try:
+        return _build(values)
+    except TypeError as err:  # pragma: no cover - put() already checks names
+        raise ValueError(str(err)) from None
+
+
+def to_dict(config: RunConfig) -> dict:
+    """The config as a nested dict of plain values, None values left out (TOML has no null)."""
+    out = {}
+    for name in SECTIONS:
+        section = getattr(config, name)
+        out[name] = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                     if getattr(section, f.name) is not None}
+    return out
+
+
+def to_toml(config: RunConfig) -> str:
+    return tomli_w.dumps(to_dict(config))
+
+
+def _type_name(hint) -> str:
+    base, optional = _unwrap_optional(hint)
+    return base.__name__ + (" | none" if optional else "")
+
+
+def help_text(size_defaults: dict | None = None) -> str:
+    """Every option with its type and default, section by section. `size_defaults` (the
+    default size's GPTConfig fields) fills in the model options left to the size."""
+    lines = []
+    size_defaults = size_defaults or {}
+    for section, cls in _section_types().items():
+        lines.append(f"  [{section}]  {(cls.__doc__ or '').strip().splitlines()[0]}")
+        hints = _field_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            shown = repr(default)
+            if default is None and section == "model":
+                shown = f"the size's ({ModelSection().size}: {size_defaults[f.name]!r})" \
+                    if f.name in size_defaults else "the size's"
+            option = f"--{section}.{f.name}"
+            choices = CHOICES.get(option[2:])
+            lines.append(f"    {option:<30} {_type_name(hints[f.name]):<12} default {shown}"
+                         + (f"  [{' | '.join(choices)}]" if choices else ""))
+    return "\n".join(lines)

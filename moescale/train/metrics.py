@@ -1,0 +1,63 @@
+"""metrics.jsonl: one JSON object per line, per training step, validation pass and summary.
+
+Records carry `kind` ("train", "val" or "summary") and `step` (optimizer steps completed).
+A train record holds loss (cross-entropy), aux_loss, lr, grad_norm, tokens, tokens_per_s,
+elapsed_s, imbalance (max over MoE layers of max/mean tokens per expert) and
+tokens_per_expert (a list per MoE layer of routed tokens per expert, summed over the step's
+micro-batches). A val record holds val_loss. Lines are flushed as they are written, so a killed
+run keeps everything logged so far; `truncate_after(step)` drops what a resumed run will redo.
+
+This file formats and stores numbers; it computes none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Every record of a metrics.jsonl (a torn last line, from a kill mid-write, is skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+class MetricsLog:
+    """Appends records to metrics.jsonl in the run directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = None
+
+    def write(self, record: dict) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only train/val records with step <= `step` (rewritten atomically)."""
+        self.close()
+        kept = [r for r in read_metrics(self.path)
+                if r.get("kind") in ("train", "val") and r.get("step", 0) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,50 @@
+"""The optimizer and the learning-rate schedule of a training run.
+
+`build_optimizer` makes torch's AdamW with two parameter groups: matrices (embeddings, attention,
+experts, routers) get weight decay, vectors (norms, biases) do not. `lr_at(step)` is the schedule:
+linear warmup from 0 over `warmup_steps`, then cosine or linear decay to `min_lr` at the last
+step, or constant. The schedule is a pure function of the step, so a resumed run only needs the
+step to continue it exactly (no scheduler object to checkpoint).
+
+Nothing here runs the loop or touches data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moescale.train.config import OptimSection
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             foreach=True)
+
+
+def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based) of `total_steps`."""
+    if cfg.schedule == "constant":
+        return cfg.lr if step >= cfg.warmup_steps else cfg.lr * (step + 1) / cfg.warmup_steps
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "cosine":
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        factor = 1.0 - progress
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,95 @@
+"""report.png of a run: loss curves, throughput and the expert-load heatmap, from metrics.jsonl.
+
+Three panels: train loss per step with validation loss points; tokens/s per step (and its
+running median); a heatmap of each expert's share of its layer's routed tokens over the steps,
+one row per (MoE layer, expert), layers separated by lines (an evenly loaded layer is a flat
+colour at 1/E). Matplotlib with the Agg backend, so it works without a display.
+
+This file reads metrics; it never touches the model or the training state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from moescale.train.metrics import read_metrics
+
+
+def _running_median(values: list[float], window: int = 25) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        chunk = sorted(values[max(0, i - window + 1):i + 1])
+        out.append(chunk[len(chunk) // 2])
+    return out
+
+
+def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path | None:
+    """Draw report.png (or `path`) from run_dir/metrics.jsonl; None when nothing was logged."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in records if r.get("kind") == "train"]
+    vals = [r for r in records if r.get("kind") == "val"]
+    if not train:
+        return None
+    out = Path(path) if path is not None else run_dir / "report.png"
+    steps = [r["step"] for r in train]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 11), gridspec_kw={"height_ratios": [1, 1, 1.4]})
+
+    ax = axes[0]
+    ax.plot(steps, [r["loss"] for r in train], lw=0.8, alpha=0.8, label="train")
+    if vals:
+        ax.plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o-", ms=4,
+                label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"loss — {run_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+    ax = axes[1]
+    rates = [r.get("tokens_per_s", 0.0) for r in train]
+    ax.plot(steps, rates, lw=0.6, alpha=0.5, label="per step")
+    ax.plot(steps, _running_median(rates), lw=1.5, label="running median")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("throughput")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+    ax = axes[2]
+    counts = [r.get("tokens_per_expert") or [] for r in train]
+    if counts and counts[0]:
+        num_layers, num_experts = len(counts[0]), len(counts[0][0])
+        share_ST = np.zeros((num_layers * num_experts, len(train)))
+        for t, per_layer in enumerate(counts):
+            for layer, counts_E in enumerate(per_layer):
+                total = max(1, sum(counts_E))
+                share_ST[layer * num_experts:(layer + 1) * num_experts, t] = \
+                    np.asarray(counts_E, dtype=float) / total
+        im = ax.imshow(share_ST, aspect="auto", interpolation="nearest", cmap="viridis",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5,
+                               num_layers * num_experts - 0.5, -0.5))
+        for layer in range(1, num_layers):
+            ax.axhline(layer * num_experts - 0.5, color="white", lw=1)
+        ax.set_yticks([layer * num_experts + (num_experts - 1) / 2
+                       for layer in range(num_layers)])
+        ax.set_yticklabels([f"MoE layer {layer}" for layer in range(num_layers)])
+        fig.colorbar(im, ax=ax, label=f"share of the layer's routed tokens (even = "
+                                      f"{1 / num_experts:.3f})")
+        ax.set_title(f"tokens per expert ({num_experts} experts per layer) over time")
+        ax.set_xlabel("step")
+    else:
+        ax.text(0.5, 0.5, "no MoE layers", ha="center", va="center")
+        ax.set_axis_off()
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,392 @@
+"""The training loop of `moescale train`: build, (resume), step, evaluate, checkpoint, summarise.
+
+`Trainer(config, run_dir, resume=...)` builds the data streams, the GPT MoE model and AdamW from
+a `RunConfig`; `run()` trains to `train.steps`, then prints a summary (train / validation loss,
+tokens/s, peak memory, the offload plan) and a short generated sample, and writes report.png.
+Each optimizer step runs `train.grad_accum` micro-batches (bf16 autocast when
+`train.precision = "bf16"`), clips the global gradient norm, sets the scheduled learning rate
+and steps AdamW. Every step writes one metrics.jsonl record with the routed tokens per expert of
+every MoE layer (from `layer.last_stats`); every `eval_interval` steps a validation loss on
+fixed windows. Checkpoints are written every `checkpoint_interval` steps and at the end.
+
+Resuming restores model, optimizer, step, the data generator and torch's RNG from the newest
+checkpoint that verifies, and drops metrics past it, so the continued run logs exactly the
+losses of an uninterrupted one. SIGINT (Ctrl-C) finishes the current step, saves a checkpoint
+and returns 130; a second Ctrl-C aborts at once.
+
+Deliberately not here: offloading and expert parallelism (their options are refused by
+`RunConfig.check_supported` until wired), distributed launch, the CLI parsing (cli.py).
+
+Legend: B batch, S sequence, L MoE layers, E experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moescale.layers.moe import MoE
+from moescale.models import GPT, gpt_config
+from moescale.train.checkpoint import (CheckpointError, list_checkpoints, load_latest,
+                                       optimizer_from_flat, optimizer_to_flat, save_checkpoint)
+from moescale.train.config import RunConfig, parse_bytes, to_toml
+from moescale.train.data import TokenBatches, load_data
+from moescale.train.metrics import MetricsLog
+from moescale.train.optim import build_optimizer, lr_at, set_lr
+
+DEFAULT_CACHE_DIR = "~/.cache/moescale"
+BYTES_PER_PARAM_DEVICE_ONLY = 16   # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r} but no CUDA device is available; use cpu or "
+                         "auto")
+    return torch.device(name)
+
+
+def build_model(config: RunConfig, vocab_size: int) -> GPT:
+    """The GPT MoE of `config.model` for this vocabulary and sequence length."""
+    try:
+        model_cfg = gpt_config(config.model.size, vocab_size=vocab_size,
+                               seq_len=config.train.seq_len, **config.model.overrides())
+    except ValueError as err:
+        raise ValueError(f"model: {err}") from None
+    return GPT(model_cfg)
+
+
+def check_budget(config: RunConfig, num_params: int) -> None:
+    """A device budget smaller than what device-only training holds is a user error."""
+    budget = parse_bytes(config.offload.device_budget, "offload.device_budget")
+    need = num_params * BYTES_PER_PARAM_DEVICE_ONLY
+    if budget is not None and budget < need:
+        raise ValueError(
+            f"offload.device_budget={config.offload.device_budget!r} ({budget:,} bytes) is too "
+            f"small: device-only training of {num_params:,} parameters holds {need:,} bytes of "
+            "weights, gradients and AdamW state; raise the budget or use a smaller model")
+
+
+def _expert_counts(model: GPT) -> list[torch.Tensor]:
+    return [m.last_stats.routed_E for m in model.modules()
+            if isinstance(m, MoE) and m.last_stats is not None]
+
+
+def _imbalance(counts_LE: list[list[int]]) -> float:
+    """max over layers of (max / mean) tokens per expert: 1.0 is perfectly balanced."""
+    worst = 1.0
+    for counts_E in counts_LE:
+        mean = sum(counts_E) / max(1, len(counts_E))
+        if mean > 0:
+            worst = max(worst, max(counts_E) / mean)
+    return worst
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Trainer:
+    """One training run in `run_dir` (see the module docstring)."""
+
+    def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False,
+                 out=None, err=None) -> None:
+        config.check_supported()
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        tc = config.train
+        self.device = resolve_device(tc.device)
+        self.data = load_data(config.data, DEFAULT_CACHE_DIR)
+        torch.manual_seed(tc.seed)
+        self.model = build_model(config, self.data.vocab_size).to(self.device)
+        self.params = self.model.num_parameters()
+        check_budget(config, self.params.total)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.batches = TokenBatches(self.data.train, tc.batch_size, tc.seq_len, tc.seed, "train")
+        self.val_windows = TokenBatches(self.data.val, tc.batch_size, tc.seq_len, tc.seed + 1,
+                                        "validation").fixed(tc.eval_batches)
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        self.step = 0
+        self.stop_requested = False
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.resumed_from = None
+        if resume:
+            self._resume()
+        elif list_checkpoints(self.ckpt_dir):
+            raise ValueError(f"run directory {str(self.run_dir)!r} already holds checkpoints; "
+                             "continue it with --resume, or choose another train.run_dir")
+        else:
+            self.metrics.truncate_after(0)
+        self._write_config()
+
+    # -- setup ---------------------------------------------------------------------------
+    def _write_config(self) -> None:
+        resolved = self.config
+        mc = self.model.config
+        for name in ("n_layers", "d_model", "n_heads", "d_ff", "num_experts", "top_k", "router",
+                     "moe_every", "glu", "activation", "aux_loss_coef", "z_loss_coef",
+                     "dropout", "capacity_factor"):
+            setattr(resolved.model, name, getattr(mc, name))
+        resolved.train.run_dir = str(self.run_dir)
+        text = "# resolved configuration of this run (moescale train --config this file)\n"
+        text += to_toml(resolved)
+        path = self.run_dir / "config.toml"
+        tmp = path.with_name(f".config.toml.tmp{os.getpid()}")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _resume(self) -> None:
+        path, tensors, state = load_latest(self.ckpt_dir, warn=lambda m: print(m, file=self.err))
+        model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        try:
+            self.model.load_state_dict(model_sd)
+            optimizer_from_flat(self.optimizer, tensors, state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
+                                  f"({str(err).splitlines()[0]}); resume with the run's own "
+                                  "config.toml") from None
+        self.step = int(state["step"])
+        self.batches.load_state(state["data_rng"])
+        torch.set_rng_state(tensors["rng.torch"])
+        if self.device.type == "cuda" and "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
+        for newer_step, newer in list_checkpoints(self.ckpt_dir):
+            if newer_step > self.step:   # failed verification: set aside, never deleted
+                newer.rename(newer.with_name(newer.name + ".corrupt"))
+        self.metrics.truncate_after(self.step)
+        self.resumed_from = str(path)
+        print(f"resumed from {path} (step {self.step})", file=self.err)
+
+    def save(self) -> Path:
+        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        opt_tensors, opt_rest = optimizer_to_flat(self.optimizer)
+        tensors.update(opt_tensors)
+        tensors["rng.torch"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
+        state = {"step": self.step, "optimizer": opt_rest, "data_rng": self.batches.state(),
+                 "config": json.loads(json.dumps(_plain(self.config)))}
+        return save_checkpoint(self.ckpt_dir, self.step, tensors, state,
+                               self.config.train.keep_last)
+
+    # -- loop ----------------------------------------------------------------------------
+    def _autocast(self):
+        if self.config.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> dict:
+        tc, oc = self.config.train, self.config.optim
+        lr = lr_at(self.step, oc, tc.steps)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        ce_sum = aux_sum = 0.0
+        counts_LE = None
+        for _ in range(tc.grad_accum):
+            idx_BS, targets_BS = self.batches.next()
+            idx_BS, targets_BS = idx_BS.to(self.device), targets_BS.to(self.device)
+            with self._autocast():
+                _, loss = self.model(idx_BS, targets_BS)
+            (loss / tc.grad_accum).backward()
+            parts = self.model.last_loss_parts
+            ce_sum += float(parts["ce"])
+            aux_sum += float(parts["aux"])
+            layer_counts = [c.to("cpu", torch.int64) for c in _expert_counts(self.model)]
+            counts_LE = layer_counts if counts_LE is None else \
+                [a + b for a, b in zip(counts_LE, layer_counts)]
+        clip = oc.grad_clip if oc.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        self.step += 1
+        counts = [c.tolist() for c in counts_LE or []]
+        return {"kind": "train", "step": self.step, "loss": ce_sum / tc.grad_accum,
+                "aux_loss": aux_sum / tc.grad_accum, "lr": lr, "grad_norm": grad_norm,
+                "tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
+                "imbalance": _imbalance(counts), "tokens_per_expert": counts}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        try:
+            losses = []
+            for idx_BS, targets_BS in self.val_windows:
+                with self._autocast():
+                    self.model(idx_BS.to(self.device), targets_BS.to(self.device))
+                losses.append(float(self.model.last_loss_parts["ce"]))
+        finally:
+            self.model.train()
+        return sum(losses) / len(losses)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        print("\ninterrupt: finishing this step, then saving a checkpoint "
+              "(Ctrl-C again aborts without saving)", file=self.err)
+
+    def run(self, until_step: int | None = None) -> int:
+        """Train to train.steps, or to `until_step` (a checkpoint is saved there; the learning
+        rate schedule still spans train.steps), or until SIGINT. 0 when done, 130 when
+        interrupted. Sets torch's thread count to train.threads for the call only."""
+        tc = self.config.train
+        threads = torch.get_num_threads()
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        try:
+            return self._run(min(tc.steps, until_step or tc.steps))
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(self, last_step: int) -> int:
+        from tqdm import tqdm
+
+        tc = self.config.train
+        previous = signal.getsignal(signal.SIGINT)
+        in_main = _is_main_thread()
+        if in_main:
+            signal.signal(signal.SIGINT, self._on_sigint)
+        self.model.train()
+        bar = tqdm(total=tc.steps, initial=self.step, file=self.err, disable=not tc.progress,
+                   dynamic_ncols=True, unit="step", mininterval=0.5)
+        train_time = 0.0
+        train_tokens = 0
+        rate = None
+        start = time.perf_counter()
+        last_ckpt = None
+        try:
+            while self.step < last_step and not self.stop_requested:
+                t0 = time.perf_counter()
+                record = self.train_step()
+                dt = time.perf_counter() - t0
+                train_time += dt
+                train_tokens += record["tokens"]
+                rate = record["tokens"] / dt if rate is None else \
+                    0.9 * rate + 0.1 * record["tokens"] / dt
+                record["tokens_per_s"] = record["tokens"] / dt
+                record["elapsed_s"] = time.perf_counter() - start
+                self.metrics.write(record)
+                bar.update(1)
+                bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {rate:,.0f} "
+                                    f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}",
+                                    refresh=False)
+                if not math.isfinite(record["loss"]):
+                    raise ValueError(f"the training loss became {record['loss']} at step "
+                                     f"{self.step}; lower optim.lr or enable optim.grad_clip")
+                done = self.step == tc.steps
+                if done or (tc.eval_interval and self.step % tc.eval_interval == 0):
+                    val = self.evaluate()
+                    self.metrics.write({"kind": "val", "step": self.step, "val_loss": val})
+                    bar.write(f"step {self.step}: validation loss {val:.4f}", file=self.err)
+                periodic = tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
+                if done or periodic or self.step == last_step or self.stop_requested:
+                    last_ckpt = self.save()
+        finally:
+            bar.close()
+            self.metrics.close()
+            if in_main:
+                signal.signal(signal.SIGINT, previous)
+        if self.stop_requested and last_ckpt is None and self.step > 0:
+            last_ckpt = self.save()
+        self.summary = self._summarise(train_time, train_tokens, time.perf_counter() - start,
+                                       last_ckpt)
+        if self.stop_requested:
+            print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
+                  f"continue with: moescale train --resume {self.run_dir}", file=self.out)
+            return 130
+        return 0
+
+    # -- end of run ----------------------------------------------------------------------
+    def sample(self, prompt: str = "def ", temperature: float = 0.8) -> str:
+        n = self.config.train.sample_tokens
+        if n == 0:
+            return ""
+        gen = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
+        if self.data.vocab_size == 256:
+            ids = list(prompt.encode())
+        else:
+            ids = [int(self.data.val[0])]
+        idx_1S = torch.tensor([ids], dtype=torch.int64, device=self.device)
+        with self._autocast():
+            out = self.model.generate(idx_1S, n, temperature=temperature, top_k=40,
+                                      generator=gen)[0].tolist()
+        if self.data.vocab_size == 256:
+            return bytes(out).decode("utf-8", errors="replace")
+        return " ".join(map(str, out))
+
+    def _summarise(self, train_time, train_tokens, wall, last_ckpt) -> dict:
+        from moescale.train.metrics import read_metrics
+        from moescale.train.report import write_report
+
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        train = [r for r in records if r["kind"] == "train"]
+        vals = [r for r in records if r["kind"] == "val"]
+        tail = train[-20:]
+        memory = {"host_peak_rss_bytes": peak_rss_bytes()}
+        if self.device.type == "cuda":
+            memory["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        summary = {
+            "kind": "summary", "step": self.step, "steps": self.config.train.steps,
+            "train_loss": sum(r["loss"] for r in tail) / len(tail) if tail else None,
+            "val_loss": vals[-1]["val_loss"] if vals else None,
+            "tokens_per_s": train_tokens / train_time if train_time else None,
+            "wall_s": wall, "memory": memory, "offload_plan": "device-only",
+            "device": str(self.device), "params_total": self.params.total,
+            "params_active": self.params.active, "checkpoint": str(last_ckpt),
+            "resumed_from": self.resumed_from,
+        }
+        report = write_report(self.run_dir)
+        summary["report"] = str(report) if report else None
+        summary["sample"] = self.sample() if not self.stop_requested else ""
+        tmp = self.run_dir / f".summary.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.run_dir / "summary.json")
+        self._print_summary(summary)
+        return summary
+
+    def _print_summary(self, s: dict) -> None:
+        fmt = (lambda v, f: format(v, f) if v is not None else "n/a")
+        mem = s["memory"]
+        tiers = f"host RSS {mem['host_peak_rss_bytes'] / 2**20:,.0f} MiB"
+        if "device_peak_bytes" in mem:
+            tiers += f", device {mem['device_peak_bytes'] / 2**20:,.0f} MiB"
+        lines = [
+            f"run dir:      {self.run_dir}",
+            f"data:         {self.data.description}",
+            f"model:        {self.config.model.size}, {self.params.total:,} parameters "
+            f"({self.params.active:,} active per token), {len(self.moe_layers)} MoE layers x "
+            f"{self.model.config.num_experts} experts top-{self.model.config.top_k}",
+            f"steps:        {s['step']}/{s['steps']}",
+            f"train loss:   {fmt(s['train_loss'], '.4f')} (mean of the last 20 steps)",
+            f"val loss:     {fmt(s['val_loss'], '.4f')}",
+            f"tokens/s:     {fmt(s['tokens_per_s'], ',.0f')}   wall time {s['wall_s']:.1f} s",
+            f"peak memory:  {tiers}",
+            f"offload plan: {s['offload_plan']} (every expert resident on {s['device']})",
+            f"report:       {s['report']}",
+        ]
+        if s["sample"]:
+            lines.append("sample:\n" + s["sample"])
+        print("\n".join(lines), file=self.out)
+
+
+def _is_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _plain(config: RunConfig) -> dict:
+    from moescale.train.config import to_dict
+    return to_dict(config)

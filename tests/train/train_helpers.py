@@ -1,0 +1,34 @@
+"""Shared helpers for the training tests: a small real text corpus and tiny-model overrides."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from moescale.train.data import stdlib_files
+
+TINY = {"model.n_layers": "2", "model.d_model": "32", "model.n_heads": "2", "model.d_ff": "64",
+        "model.num_experts": "4", "model.top_k": "2", "train.batch_size": "4",
+        "train.seq_len": "32", "train.eval_batches": "2", "train.threads": "1",
+        "train.sample_tokens": "0", "train.progress": "false", "optim.warmup_steps": "2"}
+
+
+def small_corpus(folder: Path, num_files: int = 24) -> Path:
+    """Copies of real standard-library sources (a few hundred KB), as a directory corpus."""
+    root, files = stdlib_files()
+    folder.mkdir(parents=True, exist_ok=True)
+    picked = [f for f in files if "/" not in f and f.endswith(".py")][:num_files]
+    for rel in picked:
+        (folder / rel).write_bytes((root / rel).read_bytes()[:20000])
+    return folder
+
+
+def as_argv(overrides: dict[str, str]) -> list[str]:
+    out = []
+    for key, value in overrides.items():
+        out += [f"--{key}", value]
+    return out
+
+
+def moescale_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "moescale", *args]
