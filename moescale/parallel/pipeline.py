@@ -37,6 +37,7 @@ D model width, F expert hidden width, W ranks of the EP group, L experts per ran
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,9 @@ from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward, m
 from moescale.parallel.all_to_all import start_all_to_all
 from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, expert_major_order,
                                                inverse_permutation)
+from moescale.parallel.all_to_all import exchange_counts
 from moescale.parallel.groups import ParallelGroups
+from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
 
 STRATEGIES = {            # (dispatched input, hidden)
     "none": ("keep", "keep"),
@@ -178,13 +181,14 @@ class _Dispatcher:
         self.slots = None
         if reuse:
             rows = max((lay.num_recv for lay in spec.layouts), default=0)
-            self.slots = [x_TD.new_empty(rows, x_TD.shape[1]) for _ in range(2)]
+            self.slots = [x_TD.new_empty(rows, x_TD.shape[1])
+                          for _ in range(min(2, len(spec.layouts)))]
             spec.stats["recv_buffer_bytes"] = sum(s.numel() * s.element_size()
                                                   for s in self.slots)
 
     def start(self, k: int, what: str):
         lay = self.spec.layouts[k]
-        out = None if self.slots is None else self.slots[k % 2][:lay.num_recv]
+        out = None if self.slots is None else self.slots[k % len(self.slots)][:lay.num_recv]
         return start_all_to_all(self.x_TD.index_select(0, lay.token_idx), lay.send_splits,
                                 lay.recv_splits, self.spec.groups.ep_group, what, out=out)
 
@@ -253,6 +257,7 @@ class PipelinedAllToAll(torch.autograd.Function):
         groups = spec.groups
         gy_RD = gy_RD.contiguous()
         device = gy_RD.device
+        start = _clock(gy_RD)
         with torch.autocast(device.type, enabled=False):
             def send_grad(k):
                 lay = lays[k]
@@ -301,6 +306,7 @@ class PipelinedAllToAll(torch.autograd.Function):
                     back = (k, ret)
             if back is not None:
                 dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), spec, gy_RD)
+        spec.stats["backward_s"] = _clock(gy_RD) - start
         out_w = [None] * 5
         if need_dw:
             out_w = [None if g is None or not need else g.mul_(spec.grad_scale)
@@ -315,26 +321,47 @@ def _add_rows(dx_TD, token_idx, rows_RD, spec, like):
 
 
 class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
-    """Static EP through `PipelinedAllToAll`: `num_chunks` chunks, reuse `strategy`.
+    """Static EP through `PipelinedAllToAll` with `num_chunks` chunks (an int, or "auto" for the
+    online tuner) and reuse `strategy`.
 
     Needs grouped experts (an ExpertShard over GroupedExperts): the pipelined backward calls the
-    grouped FFN kernels per chunk.
+    grouped FFN kernels per chunk. The counts exchange also carries each rank's row count and
+    its last measured forward+backward time, so the tuner sees the same numbers on every rank.
     """
 
-    def __init__(self, groups: ParallelGroups, num_experts: int, *, num_chunks: int = 2,
-                 strategy: str = "none") -> None:
+    def __init__(self, groups: ParallelGroups, num_experts: int, *,
+                 num_chunks: int | str = 2, strategy: str = "none",
+                 tuner: TunerConfig | None = None) -> None:
         super().__init__(groups, num_experts)
-        if not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks={num_chunks!r} must be a positive integer")
+        if num_chunks != "auto" and (not isinstance(num_chunks, int) or num_chunks < 1):
+            raise ValueError(f"num_chunks={num_chunks!r} must be a positive integer or 'auto'")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is unknown; use one of "
                              f"{', '.join(STRATEGIES)}")
         self.num_chunks, self.strategy = num_chunks, strategy
+        self.tuner = ChunkTuner(tuner or TunerConfig()) if num_chunks == "auto" else None
         self.last_stats: dict = {}
+        self.history: list[tuple[int, int]] = []     # (bucket, chunks) of each call
 
-    def chunks_for(self, plan: RoutingPlan) -> int:
-        """The chunk count for this call (fixed here; the tuner overrides this)."""
-        return self.num_chunks
+    def _exchange(self, plan: RoutingPlan, device):
+        """Counts exchange carrying [counts of the peer's experts..., my rows, my last time]."""
+        if len(plan.counts) != self.num_experts:
+            raise ValueError(f"the routing plan has {len(plan.counts)} experts but the "
+                             f"dispatcher was built for num_experts={self.num_experts}")
+        W, L = self.groups.ep_size, self.num_local
+        prev = self.last_stats
+        elapsed_us = -1
+        if "backward_s" in prev and "forward_s" in prev:
+            elapsed_us = int(1e6 * (prev["forward_s"] + prev["backward_s"]))
+        send = [list(plan.counts[p * L:(p + 1) * L]) + [plan.num_rows, elapsed_us]
+                for p in range(W)]
+        recv = exchange_counts(torch.tensor(send, dtype=torch.int64, device=device),
+                               self.groups.ep_group).tolist()
+        times = [row[L + 1] for row in recv]
+        if self.tuner is not None and prev and min(times) >= 0:
+            self.tuner.record(prev["bucket"], prev["chunks"], max(times) / 1e6)
+        bucket = bucket_of(max(row[L] for row in recv))
+        return [row[:L] for row in send], [row[:L] for row in recv], bucket
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
         local = getattr(experts, "local", None)
@@ -342,14 +369,25 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
             raise ValueError("the pipelined expert-parallel dispatcher needs grouped experts "
                              "(an ExpertShard of GroupedExperts); use ExpertParallelDispatcher "
                              f"for {type(local or experts).__name__}")
-        send_WL, recv_WL = self.route_counts(plan, x_TD.device)
-        layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, self.chunks_for(plan))
+        start = _clock(x_TD)
+        send_WL, recv_WL, bucket = self._exchange(plan, x_TD.device)
+        chunks = self.tuner.choose(bucket) if self.tuner is not None else self.num_chunks
+        self.history.append((bucket, chunks))
+        layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, chunks)
         x_TD = x_TD.to(compute_dtype(x_TD))
         w = local.weights(x_TD.dtype)
         spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=self.strategy,
                             num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
-        spec.stats["num_tokens"] = x_TD.shape[0]
+        spec.stats.update(num_tokens=x_TD.shape[0], bucket=bucket, chunks=chunks)
         self.last_stats = spec.stats
         y_RD = PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF,
                                        w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+        spec.stats["forward_s"] = _clock(x_TD) - start
         return combine_rows(y_RD, plan)
+
+
+def _clock(t: torch.Tensor) -> float:
+    """Wall time, after the device's queued work (so timings cover the real work)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    return time.perf_counter()

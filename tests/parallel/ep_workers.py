@@ -207,3 +207,23 @@ def check_primitives(rank: int, world: int):
     except ValueError as exc:
         errors.append(str(exc))
     return errors
+
+
+def check_tuner(rank: int, world: int, steps: int):
+    """The online tuner: same choices on every rank, uneven token counts, output unchanged."""
+    from moescale.parallel.tuner import TunerConfig
+
+    groups = build_groups(ParallelConfig(backend="gloo", timeout_s=20))
+    case = dict(E=2 * world, top_k=2)
+    full = _full_moe(case)
+    tuned = shard_moe(full, groups, PipelinedExpertParallelDispatcher(
+        groups, case["E"], num_chunks="auto", strategy="S2",
+        tuner=TunerConfig(candidates=(1, 2, 4), trials=1)))
+    static = shard_moe(full, groups)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x = torch.randn(5 + 3 * rank + step % 2, D, generator=gen)
+        y = tuned(x.requires_grad_(True))
+        y.sum().backward()
+        _close("tuned output", y.detach(), static(x).detach(), dict(name=f"step {step}"))
+    return tuned.dispatcher.history, tuned.dispatcher.tuner.samples

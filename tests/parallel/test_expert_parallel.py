@@ -13,7 +13,8 @@ import pytest
 from moescale.parallel.groups import ParallelConfig, split_ranks
 from moescale.parallel.launch import run_local
 
-from ep_workers import check_against_reference, check_primitives, die_or_dispatch
+from ep_workers import (check_against_reference, check_primitives, check_tuner,
+                        die_or_dispatch)
 
 pytestmark = pytest.mark.distributed
 
@@ -109,3 +110,16 @@ def test_primitives_and_torchrun_environment():
     errors = results[0].value
     assert "num_experts=7 must be a positive multiple of the expert-parallel size 3" in errors[0]
     assert "needs grouped experts" in errors[1]
+
+
+@pytest.mark.timeout(60)
+def test_online_tuner_same_choice_on_every_rank():
+    results = run_local(check_tuner, 2, (8,), timeout_s=20, deadline_s=50)
+    (hist0, samples0), (hist1, samples1) = results[0].value, results[1].value
+    assert hist0 == hist1 and samples0 == samples1
+    for bucket in {b for b, _ in hist0}:
+        chosen = [c for b, c in hist0 if b == bucket]
+        assert chosen[:3] == [1, 2, 4][:len(chosen)]   # explores, 1 included, then exploits
+        if len(chosen) > 3:
+            best = min((1, 2, 4), key=lambda c: (min(samples0[bucket][c]), c))
+            assert set(chosen[3:]) == {best}

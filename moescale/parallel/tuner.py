@@ -1,0 +1,72 @@
+"""Online chunk-count tuner for the pipelined all-to-all (MPipeMoE's adaptive granularity).
+
+Per token-count bucket (the bit length of the largest row count of any rank in the EP group),
+the tuner tries every candidate chunk count `trials` times, then keeps the one with the
+smallest measured forward+backward time. 1 is always a candidate, so pipelining never loses
+to not pipelining by more than the measurement noise.
+
+Identical on every rank by construction: the dispatcher feeds it the MAX over the ranks of
+each measured time and the bucket from the ranks' row counts, both carried by the counts
+exchange it does anyway (no extra collective, no extra host sync); the tuner itself is a pure
+function of that shared history.
+
+It does not time anything itself and never talks to other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class TunerConfig:
+    candidates: tuple[int, ...] = (1, 2, 4, 8)
+    trials: int = 2              # measurements per candidate before exploiting the best
+
+    def __post_init__(self) -> None:
+        cands = tuple(self.candidates)
+        if not cands or any(not isinstance(c, int) or c < 1 for c in cands):
+            raise ValueError(f"candidates={self.candidates!r} must be positive chunk counts")
+        if 1 not in cands:
+            raise ValueError(f"candidates={self.candidates!r} must include 1 (no pipelining) "
+                             "so the tuner can never do worse than the plain exchange")
+        self.candidates = tuple(sorted(set(cands)))
+        if not isinstance(self.trials, int) or self.trials < 1:
+            raise ValueError(f"trials={self.trials!r} must be an integer >= 1")
+
+
+def bucket_of(max_rows: int) -> int:
+    """Token-count bucket: rows in [2^(b-1), 2^b) share bucket b (0 for no rows)."""
+    return int(max_rows).bit_length()
+
+
+@dataclass
+class ChunkTuner:
+    config: TunerConfig = field(default_factory=TunerConfig)
+    samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+
+    def _bucket(self, bucket: int) -> dict[int, list[float]]:
+        return self.samples.setdefault(bucket, {c: [] for c in self.config.candidates})
+
+    def choose(self, bucket: int) -> int:
+        """Next chunk count for this bucket: explore in order, then the fastest."""
+        table = self._bucket(bucket)
+        for c in self.config.candidates:
+            if len(table[c]) < self.config.trials:
+                return c
+        return self.best(bucket)
+
+    def best(self, bucket: int) -> int:
+        table = self._bucket(bucket)
+        measured = [c for c in self.config.candidates if table[c]]
+        if not measured:
+            return 1
+        return min(measured, key=lambda c: (min(table[c]), c))
+
+    def record(self, bucket: int, chunks: int, seconds: float) -> None:
+        if chunks in self._bucket(bucket):
+            self._bucket(bucket)[chunks].append(float(seconds))
+
+    def converged(self, bucket: int) -> bool:
+        table = self._bucket(bucket)
+        return all(len(v) >= self.config.trials for v in table.values())
