@@ -1,0 +1,189 @@
+"""DeviceCache: compute-precision copies of experts on the device, within its byte budget.
+
+`walk(layer, order)` yields `(expert, flat_P)` for the experts of `order` one after another:
+the copy of expert i+1 (and further, up to `lookahead`) is uploaded while expert i computes, as
+far as the device budget allows (an upload that does not fit is simply issued later, when the
+previous expert's slot is freed: look-ahead degrades, the budget is never exceeded). A slot is
+freed as soon as the caller moves on to the next expert, unless the expert is pinned.
+
+Pinning (ES-MoE pins the hottest 25%): `observe(layer, counts)` keeps an EMA of each expert's
+token count; `repin()` (once per iteration) keeps the `pin_fraction` hottest experts of each
+layer resident, as far as the budget leaves room for the rotating slots. A pinned copy is
+re-uploaded when the optimizer has stepped its master (its version moved on).
+
+Every upload waits on the host optimizer's step fence for that expert first, on the copy
+thread: the device never reads a master whose step is still running.
+
+Deliberately not here: activations (experts.py), the store's own disk cache (store.py).
+
+Legend: P parameters of one expert.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from moescale.devices import Reservation, Transfer
+from moescale.offload.optimizer import HostOptimizer
+from moescale.offload.store import ExpertStore, Key
+
+
+@dataclass
+class _Entry:
+    key: Key
+    reservation: Reservation
+    transfer: Transfer
+    version_box: list = field(default_factory=list)  # the store version the copy was made of
+    pinned: bool = False
+    tensor_P: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.tensor_P is None:
+            (self.tensor_P,) = self.transfer.wait()
+        return self.tensor_P
+
+
+class DeviceCache:
+    """Rotating + pinned expert copies on `device`, fetched from `store`."""
+
+    def __init__(self, device, store: ExpertStore, optimizer: HostOptimizer,
+                 dtype: torch.dtype, *, lookahead: int = 1, pin_fraction: float = 0.0,
+                 ema_decay: float = 0.9) -> None:
+        if lookahead < 0:
+            raise ValueError(f"lookahead={lookahead!r} must be >= 0")
+        if not 0.0 <= pin_fraction <= 1.0:
+            raise ValueError(f"pin_fraction={pin_fraction!r} must be in [0, 1]")
+        self.device, self.store, self.optimizer, self.dtype = device, store, optimizer, dtype
+        self.lookahead, self.pin_fraction, self.ema_decay = lookahead, pin_fraction, ema_decay
+        self._pinned: dict[Key, _Entry] = {}
+        self.ema: dict[Key, float] = {}
+        self.num_uploads = 0
+
+    def expert_bytes(self, layer: int) -> int:
+        return self.store.layouts[layer].numel * torch.empty((), dtype=self.dtype).element_size()
+
+    # ----------------------------------------------------------------- uploads
+    def _start(self, key: Key, block: bool, headroom: int = 0) -> _Entry | None:
+        """Reserve and start an upload of key; None when it (plus headroom bytes) does not
+        fit and block=False."""
+        nbytes = self.expert_bytes(key[0])
+        if not block and not self.device.fits(nbytes + headroom):
+            return None
+        reservation = self.device.reserve(nbytes, f"expert {key}", block=block)
+        store, optimizer = self.store, self.optimizer
+        version_box = []
+
+        def prepare():
+            optimizer.wait_step(key)  # the per-expert fence
+            rec = store.acquire(key)
+            version_box.append(store.versions[key])
+            return [rec.master_P], lambda: store.release(key)
+
+        self.num_uploads += 1
+        transfer = self.device.upload_from(prepare, self.dtype)
+        return _Entry(key, reservation, transfer, version_box)
+
+    def _valid_pinned(self, key: Key) -> _Entry | None:
+        entry = self._pinned.get(key)
+        if entry is None:
+            return None
+        entry.wait()
+        fence = self.optimizer.step_fence(key)
+        if entry.version_box[0] == self.store.versions[key] and (fence is None or fence.done()):
+            return entry
+        return None
+
+    def _refresh_pinned(self, key: Key) -> _Entry:
+        """Re-upload a stale pinned expert into its existing reservation."""
+        old = self._pinned[key]
+        old.wait()
+        old.reservation.release()
+        entry = self._start(key, block=True)
+        entry.pinned = True
+        self._pinned[key] = entry
+        return entry
+
+    def is_resident(self, key: Key) -> bool:
+        return key in self._pinned
+
+    # ----------------------------------------------------------------- the walk
+    def walk(self, layer: int, order, headroom: int = 0):
+        """Yield (expert, weights_P) for each expert of `order`, uploads overlapped. A
+        look-ahead upload is issued only if it leaves `headroom` bytes free (backward keeps
+        room for the current expert's gradient)."""
+        order = list(order)
+        pending: deque[tuple[int, _Entry]] = deque()
+        nxt = 0
+
+        def issue():
+            nonlocal nxt
+            while nxt < len(order) and len(pending) < 1 + self.lookahead:
+                key = (layer, order[nxt])
+                if key in self._pinned:
+                    entry = self._valid_pinned(key) or self._refresh_pinned(key)
+                else:
+                    entry = self._start(key, block=not pending,
+                                        headroom=headroom if pending else 0)
+                    if entry is None:
+                        return
+                pending.append((order[nxt], entry))
+                nxt += 1
+
+        issue()
+        while pending:
+            e, entry = pending[0]
+            weights_P = entry.wait()
+            try:
+                yield e, weights_P
+            finally:
+                pending.popleft()
+                if not entry.pinned:
+                    entry.tensor_P = None
+                    entry.reservation.release()
+            del weights_P
+            issue()
+
+    # ----------------------------------------------------------------- hot experts
+    def observe(self, layer: int, counts) -> None:
+        d = self.ema_decay
+        for e, n in enumerate(counts):
+            key = (layer, e)
+            self.ema[key] = d * self.ema.get(key, float(n)) + (1 - d) * n
+
+    def repin(self, reserve_rotating: int) -> None:
+        """Pin the hottest pin_fraction of each layer's experts while the budget keeps room
+        for `reserve_rotating` rotating slots of the largest expert."""
+        if self.pin_fraction <= 0:
+            return
+        want: list[Key] = []
+        for layer, num in enumerate(self.store.num_experts):
+            hot = sorted(range(num), key=lambda e: -self.ema.get((layer, e), 0.0))
+            want += [(layer, e) for e in hot[:int(self.pin_fraction * num)]]
+        for key in list(self._pinned):
+            if key not in want:
+                entry = self._pinned.pop(key)
+                entry.wait()
+                entry.reservation.release()
+        budget = self.device.budget_bytes
+        rotating = reserve_rotating * max(self.expert_bytes(lay) for lay in
+                                          range(len(self.store.layouts)))
+        for key in want:
+            if key in self._pinned:
+                continue
+            nbytes = self.expert_bytes(key[0])
+            if budget is not None and self.device.used_bytes + nbytes + rotating > budget:
+                break
+            entry = self._start(key, block=False)
+            if entry is None:
+                break
+            entry.pinned = True
+            self._pinned[key] = entry
+
+    def clear(self) -> None:
+        for entry in self._pinned.values():
+            entry.wait()
+            entry.reservation.release()
+        self._pinned.clear()

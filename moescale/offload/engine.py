@@ -1,0 +1,247 @@
+"""offload_moe(model, OffloadConfig(...)): move the experts of a model's MoE layers out of it.
+
+Every `MoE` layer with `GroupedExperts` gets its expert weights copied (fp32) into one shared
+`ExpertStore` and its `experts` replaced by `OffloadedGroupedExperts`; the model keeps no
+expert parameters, so the user's dense optimizer only sees dense ones. The returned
+`OffloadEngine` owns the device (simulated or CUDA), the store, the host optimizer and the
+device cache, and is the handle of the training loop:
+
+    engine = offload_moe(model, OffloadConfig(tier="host", device_budget_experts=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=...); engine.follow(opt)
+    for step ...:
+        for i in range(accum):
+            engine.begin_micro_batch(last=i == accum - 1)
+            loss_i.backward()
+        engine.clip_grad_norm_(model.parameters(), 1.0)   # deferred mode only
+        engine.step(); opt.step(); opt.zero_grad()
+
+`engine.step()` steps the experts that have not stepped yet (all of them in deferred mode)
+on the host worker and returns at once; per-expert fences keep the next forward correct.
+
+Deliberately not here: module experts (not done yet), the planner (`offload="auto"`, not done
+yet), checkpoints of the store (not done yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from moescale.devices import SimulatedDevice, make_device
+from moescale.layers.experts import GroupedExperts
+from moescale.layers.moe import MoE
+from moescale.offload.cache import DeviceCache
+from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
+from moescale.offload.optimizer import STEP_MODES, AdamWConfig, HostOptimizer
+from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """How experts are offloaded. Give the device budget in bytes or in experts (of the
+    largest layer, in compute precision)."""
+
+    tier: str = "host"
+    directory: str | None = None
+    host_cache_bytes: int | None = None
+    device: str = "auto"
+    device_budget_bytes: int | None = None
+    device_budget_experts: float | None = None
+    compute_dtype: str = "float32"
+    activation_policy: str = "keep"
+    step_mode: str = "eager"
+    lookahead: int = 1
+    pin_fraction: float = 0.0
+    ema_decay: float = 0.9
+    shared_memory: bool = False
+    io_threads: int = 4
+    optimizer: AdamWConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation_policy not in POLICIES:
+            raise ValueError(f"activation_policy={self.activation_policy!r} is unknown; use "
+                             f"one of {', '.join(POLICIES)}")
+        if self.step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode={self.step_mode!r} is unknown; use one of "
+                             f"{', '.join(STEP_MODES)}")
+        if self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is unknown; use one of "
+                             f"{', '.join(DTYPES)}")
+        if self.device_budget_bytes is not None and self.device_budget_experts is not None:
+            raise ValueError("give device_budget_bytes or device_budget_experts, not both")
+        if self.device_budget_experts is not None and not self.device_budget_experts > 0:
+            raise ValueError(f"device_budget_experts={self.device_budget_experts!r} must be > 0")
+        StoreConfig(tier=self.tier, directory=self.directory,
+                    host_cache_bytes=self.host_cache_bytes, io_threads=self.io_threads)
+
+
+class OffloadEngine:
+    """Device + store + host optimizer + device cache for the offloaded MoE layers of a model."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.config = config
+        self.dtype = DTYPES[config.compute_dtype]
+        kind = config.device
+        cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
+        self.store = ExpertStore(StoreConfig(
+            tier=config.tier, directory=config.directory,
+            host_cache_bytes=config.host_cache_bytes, pin_memory=cuda,
+            shared_memory=config.shared_memory, io_threads=config.io_threads))
+        self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
+                                       config.step_mode)
+        self.device = None
+        self.cache: DeviceCache | None = None
+        self.layers: list[OffloadedGroupedExperts] = []
+        self.last_micro_batch = True
+        self._trace: list[tuple[int, list[int]]] = []
+        self._grad_coef: float | None = None
+
+    # ----------------------------------------------------------------- setup
+    def add(self, experts: GroupedExperts) -> OffloadedGroupedExperts:
+        params = [(n, getattr(experts, n)) for n in
+                  ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED") if getattr(experts, n) is not None]
+        layout = ExpertLayout([(n, tuple(p.shape[1:])) for n, p in params])
+        layer = self.store.add_layer(
+            layout, experts.num_experts,
+            lambda e: torch.cat([p.detach()[e].reshape(-1).float() for _, p in params]))
+        module = OffloadedGroupedExperts(self, layer, experts.num_experts, experts.d_model,
+                                         experts.d_ff, experts.act, experts.glu,
+                                         experts.b1_EF is not None, layout)
+        self.layers.append(module)
+        return module
+
+    def finish_setup(self) -> None:
+        cfg = self.config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        largest = max(lay.numel for lay in self.store.layouts) * itemsize
+        budget = cfg.device_budget_bytes
+        if cfg.device_budget_experts is not None:
+            budget = int(cfg.device_budget_experts * largest)
+        if budget is not None and budget < 2 * largest:
+            what = "below one expert" if budget < largest else \
+                "below one expert plus its gradient"
+            raise ValueError(f"device budget of {budget} bytes is {what} ({largest} bytes each "
+                             f"in {cfg.compute_dtype}); backward holds an expert's weights and "
+                             f"its gradient at once: raise the device budget to at least "
+                             f"{2 * largest} bytes (device_budget_experts=2)")
+        self.device = make_device(cfg.device, budget)
+        self.cache = DeviceCache(self.device, self.store, self.optimizer, self.dtype,
+                                 lookahead=cfg.lookahead, pin_fraction=cfg.pin_fraction,
+                                 ema_decay=cfg.ema_decay)
+
+    # ----------------------------------------------------------------- schedule
+    def forward_order(self, layer: int, counts) -> list[int]:
+        order = [e for e, n in enumerate(counts) if n]
+        order.sort(key=lambda e: not self.cache.is_resident((layer, e)))  # pinned first
+        if torch.is_grad_enabled():
+            self._trace.append((layer, order))
+        self.cache.observe(layer, counts)
+        if self.store.config.tier == "disk":
+            upcoming = [(layer, e) for e in order] + self._backward_keys()
+            self.store.set_upcoming(upcoming)
+            self.store.prefetch(upcoming)
+        return order
+
+    def backward_order(self, layer: int, forward_order: list[int]) -> list[int]:
+        for i in range(len(self._trace) - 1, -1, -1):
+            if self._trace[i][0] == layer:
+                del self._trace[i]
+                break
+        pinned = [e for e in forward_order if self.cache.is_resident((layer, e))]
+        order = pinned + [e for e in reversed(forward_order) if e not in pinned]
+        if self.store.config.tier == "disk":
+            upcoming = [(layer, e) for e in order for _ in range(2)] + self._backward_keys()
+            self.store.set_upcoming(upcoming)
+            self.store.prefetch(upcoming)
+        return order
+
+    def _backward_keys(self) -> list[Key]:
+        return [(layer, e) for layer, order in reversed(self._trace)
+                for e in reversed(order) for _ in range(2)]
+
+    # ----------------------------------------------------------------- training loop
+    def follow(self, dense_optimizer: torch.optim.Optimizer) -> None:
+        """Share lr / betas / eps / weight_decay (and so the LR schedule) with it."""
+        self.optimizer.follow(dense_optimizer)
+
+    def begin_micro_batch(self, last: bool = True) -> None:
+        """Declare whether the coming forward/backward is the last of this step's micro-batches
+        (eager mode steps experts during that backward)."""
+        self.last_micro_batch = bool(last)
+
+    def hand_gradient(self, key: Key, grads, reservation, last: bool) -> None:
+        if isinstance(self.device, SimulatedDevice):
+            self.optimizer.accumulate(key, grads, last=last, on_done=reservation.release)
+        else:
+            transfer = self.device.download(grads)
+            reservation.release()  # the download holds the device buffers via record_stream
+            self.optimizer.accumulate(key, transfer, last=last)
+
+    def clip_grad_norm_(self, dense_params: Iterable[torch.Tensor], max_norm: float) -> float:
+        """Global-norm clipping over dense and expert gradients (deferred mode), like
+        torch.nn.utils.clip_grad_norm_; dense grads are scaled now, expert grads at step()."""
+        if self.config.step_mode != "deferred":
+            raise ValueError("clip_grad_norm_ over expert gradients needs step_mode='deferred' "
+                             "(eager mode steps experts during backward)")
+        grads = [p.grad for p in dense_params if p.grad is not None]
+        dense_sq = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            dense_sq += g.detach().float().norm(2).square()
+        total = float((dense_sq + self.optimizer.grad_norm_sq()).sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        for g in grads:
+            g.detach().mul_(coef)
+        self._grad_coef = coef
+        return total
+
+    def step(self) -> None:
+        """End of an iteration: step every expert not stepped yet (returns at once)."""
+        self.optimizer.step_all(grad_coef=self._grad_coef)
+        self._grad_coef = None
+        self.last_micro_batch = True
+        self._trace.clear()
+        self.cache.repin(reserve_rotating=2 + self.config.lookahead)
+
+    def synchronize(self) -> None:
+        """Wait for every queued host task (optimizer steps, accumulations)."""
+        self.optimizer.wait_all()
+        self.device.synchronize()
+
+    def expert_state(self, layer: int, e: int) -> dict[str, torch.Tensor]:
+        """Copies of one expert's fp32 master tensors (after synchronize())."""
+        self.synchronize()
+        rec = self.store.acquire((layer, e))
+        try:
+            return {n: t.clone() for n, t in self.store.layouts[layer].split(rec.master_P).items()}
+        finally:
+            self.store.release((layer, e))
+
+    def close(self) -> None:
+        self.synchronize()
+        self.cache.clear()
+        self.optimizer.close()
+        self.store.close()
+        self.device.close()
+
+
+def offload_moe(model: nn.Module, config: OffloadConfig | None = None) -> OffloadEngine:
+    """Move the experts of every MoE layer of `model` into an ExpertStore (in place)."""
+    config = config or OffloadConfig()
+    engine = OffloadEngine(config)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        raise ValueError("offload_moe found no MoE layer in the model; build it with "
+                         "moescale.MoE layers (or convert its FFNs first)")
+    for moe in moes:
+        if not isinstance(moe.experts, GroupedExperts):
+            raise ValueError(f"offload_moe supports GroupedExperts (FFN/GLU) experts; this "
+                             f"layer has {type(moe.experts).__name__} (module experts are not "
+                             "supported yet)")
+        moe.experts = engine.add(moe.experts)
+    engine.finish_setup()
+    return engine

@@ -1,0 +1,200 @@
+"""OffloadedExperts: grouped FFN/GLU experts whose weights stream from an ExpertStore.
+
+One autograd Function, `OffloadedExpertsFn`, does the whole expert stage of a layer:
+- forward walks the experts that received rows, in schedule order (pinned experts first, then
+  ascending id), each through the DeviceCache (expert i+1 uploads while expert i computes),
+  runs the grouped kernel `ffn_forward` on that expert's rows with a single-expert weight slice,
+  and keeps only what the activation policy asks: `keep` (the hidden h1 [, h3] on the device),
+  `recompute` (nothing: backward recomputes the hidden from the re-fetched weights) or `offload`
+  (the hidden copied to the host, brought back in backward). The weights are dropped at once.
+- backward walks the same experts (pinned first, then in reverse), re-fetches each, runs
+  `ffn_backward` for dX, d(score) and dW, and hands dW to the host optimizer, which adds it
+  to the expert's fp32 accumulator (and, eagerly on the last micro-batch, steps the expert).
+Experts with no rows are never uploaded. The weights are not autograd inputs: their gradient
+leaves through the store. A zero-size `anchor` input that requires grad makes backward run
+even when neither x nor the scores need a gradient.
+
+Two entry points, as the expert seam asks: `forward_routed(x_TD, plan)` (gather, experts,
+score-weighted combine fused) and `forward_rows(x_RD, counts)` (rows already grouped, for
+all-to-all dispatchers).
+
+Deliberately not here: module experts (torch.func.functional_call; not done yet), the
+cache's eviction policy (cache.py), the optimizer (optimizer.py).
+
+Legend: T tokens, R rows grouped by expert, N rows of one expert, D model width,
+F expert hidden width, P parameters of one expert.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from moescale.dispatch.plan import RoutingPlan
+from moescale.layers.activations import Activation
+from moescale.layers.experts import compute_dtype
+from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward, mm_into
+
+POLICIES = ("keep", "recompute", "offload")
+PARAM_NAMES = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for n in counts:
+        out.append(acc)
+        acc += n
+    return out
+
+
+class OffloadedExpertsFn(torch.autograd.Function):
+    """y = experts(x) with weights streamed from the store; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, scores_R, token_idx_R, layer: "OffloadedGroupedExperts",
+                counts: tuple):
+        engine, routed = layer.engine, token_idx_R is not None
+        order = engine.forward_order(layer.layer_index, counts)
+        starts = _starts(counts)
+        policy = engine.config.activation_policy
+        if routed:
+            y = x.new_zeros(x.shape[0], layer.d_model)
+            scores_x = scores_R.to(x.dtype)
+        else:
+            y = x.new_empty(x.shape[0], layer.d_model)
+        saved = {}
+        with torch.autocast(x.device.type, enabled=False):
+            for e, w_P in engine.cache.walk(layer.layer_index, order):
+                s, n = starts[e], counts[e]
+                x_ND = x.index_select(0, token_idx_R[s:s + n]) if routed else x[s:s + n]
+                y_ND, h1_NF, h3_NF = ffn_forward(x_ND, (n,), layer.weights(w_P), layer.act)
+                del w_P
+                if routed:
+                    y_ND.mul_(scores_x[s:s + n].unsqueeze(1))
+                    y.index_add_(0, token_idx_R[s:s + n], y_ND)
+                else:
+                    y[s:s + n] = y_ND
+                if policy == "keep":
+                    saved[e] = (h1_NF, h3_NF)
+                elif policy == "offload":
+                    hidden = [h1_NF] if h3_NF is None else [h1_NF, h3_NF]
+                    saved[e] = engine.device.download(hidden)
+        ctx.layer, ctx.counts, ctx.order, ctx.saved = layer, counts, order, saved
+        ctx.last_micro_batch = engine.last_micro_batch
+        ctx.save_for_backward(x, scores_R, token_idx_R)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, scores_R, token_idx_R = ctx.saved_tensors
+        layer, counts, saved = ctx.layer, ctx.counts, ctx.saved
+        engine, routed = layer.engine, token_idx_R is not None
+        policy = engine.config.activation_policy
+        need_dx, need_ds = ctx.needs_input_grad[1], routed and ctx.needs_input_grad[2]
+        gy = gy.contiguous()
+        dx = (torch.zeros_like(x) if routed else torch.empty_like(x)) if need_dx else None
+        ds_R = torch.zeros_like(scores_R) if need_ds else None
+        starts = _starts(counts)
+        order = engine.backward_order(layer.layer_index, ctx.order)
+        grad_bytes = layer.layout.numel * x.element_size()
+        with torch.autocast(x.device.type, enabled=False):
+            for e, w_P in engine.cache.walk(layer.layer_index, order, headroom=grad_bytes):
+                s, n = starts[e], counts[e]
+                w = layer.weights(w_P)
+                if routed:
+                    rows_N = token_idx_R[s:s + n]
+                    x_ND, gy_ND = x.index_select(0, rows_N), gy.index_select(0, rows_N)
+                else:
+                    x_ND, gy_ND = x[s:s + n], gy[s:s + n]
+                if policy == "keep":
+                    h1_NF, h3_NF = saved.pop(e)
+                elif policy == "offload":
+                    hidden = engine.device.upload(saved.pop(e).wait()).wait()
+                    h1_NF, h3_NF = hidden[0], (hidden[1] if len(hidden) > 1 else None)
+                else:
+                    h1_NF, h3_NF = layer.hidden(x_ND, w)
+                grad_res = engine.device.reserve(grad_bytes, f"gradient of expert "
+                                                 f"{(layer.layer_index, e)}", block=True,
+                                                 async_release=True)
+                dx_ND, gw, ds_N = ffn_backward(
+                    gy_ND, x_ND, h1_NF, h3_NF, (n,), w, layer.act,
+                    scale_R=scores_R[s:s + n] if routed else None, need_dx=need_dx)
+                del w, w_P, h1_NF, h3_NF
+                if need_dx:
+                    if routed:
+                        dx.index_add_(0, rows_N, dx_ND)
+                    else:
+                        dx[s:s + n] = dx_ND
+                if need_ds:
+                    ds_R[s:s + n] = ds_N
+                grads = [g[0] for g in (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
+                         if g is not None]
+                engine.hand_gradient((layer.layer_index, e), grads, grad_res,
+                                     last=ctx.last_micro_batch)
+        ctx.saved = None
+        return None, dx, ds_R, None, None, None
+
+
+class OffloadedGroupedExperts(nn.Module):
+    """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
+
+    def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
+                 act: Activation, glu: bool, bias: bool, layout) -> None:
+        super().__init__()
+        self.engine, self.layer_index = engine, layer_index
+        self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
+        self.act, self.glu, self.bias, self.layout = act, glu, bias, layout
+        self.anchor = torch.empty(0, requires_grad=True)
+
+    def weights(self, w_P: torch.Tensor) -> FFNWeights:
+        """Single-expert FFNWeights ([1, ...] views) over a flat weight copy."""
+        parts = self.layout.split(w_P)
+        return FFNWeights(*(parts[name].unsqueeze(0) if name in parts else None
+                            for name in PARAM_NAMES))
+
+    def hidden(self, x_ND: torch.Tensor, w: FFNWeights):
+        """Recompute (h1_NF, h3_NF or None) for the recompute policy."""
+        h1_NF = x_ND.new_empty(x_ND.shape[0], self.d_ff)
+        mm_into(h1_NF, x_ND, w.w1_EDF[0], None if w.b1_EF is None else w.b1_EF[0])
+        h3_NF = None
+        if w.w3_EDF is not None:
+            h3_NF = x_ND.new_empty(x_ND.shape[0], self.d_ff)
+            mm_into(h3_NF, x_ND, w.w3_EDF[0])
+        return h1_NF, h3_NF
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x)
+        if dtype != self.engine.cache.dtype:
+            raise ValueError(f"offloaded experts compute in {self.engine.cache.dtype} but the "
+                             f"input arrives in {dtype}; set OffloadConfig(compute_dtype="
+                             f"{dtype}) or feed {self.engine.cache.dtype}")
+        return x.to(dtype).contiguous()
+
+    def _anchor(self):
+        return self.anchor if torch.is_grad_enabled() else self.anchor.detach()
+
+    def forward_routed(self, x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        return OffloadedExpertsFn.apply(self._anchor(), self._input(x_TD), plan.scores_R,
+                                        plan.token_idx_R, self, tuple(plan.counts))
+
+    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        return OffloadedExpertsFn.apply(self._anchor(), self._input(x_RD), None, None, self,
+                                        tuple(counts))
+
+    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        """Expert e from its fp32 master (no gradient; for checks against the reference)."""
+        rec = self.engine.store.acquire((self.layer_index, e))
+        try:
+            w = self.weights(rec.master_P.clone())
+        finally:
+            self.engine.store.release((self.layer_index, e))
+        with torch.no_grad():
+            y, _, _ = ffn_forward(x_ND.float(), (x_ND.shape[0],), w, self.act)
+        return y.to(x_ND.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_index}, num_experts={self.num_experts}, "
+                f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.act.name}, "
+                f"glu={self.glu}, bias={self.bias}, offloaded")

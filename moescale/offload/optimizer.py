@@ -1,0 +1,200 @@
+"""Per-expert host AdamW on the ExpertStore, run on one worker thread, with per-expert fences.
+
+The math is torch's own AdamW (`torch.optim.adamw.adamw`, the functional form behind
+`torch.optim.AdamW`: single-tensor, foreach or fused CPU kernel), applied to each expert's flat
+fp32 master, gradient accumulator and moments. Hyper-parameters (lr, betas, eps, weight decay)
+are read when a step is submitted, from the config or from a dense optimizer the engine
+follows (`follow(dense_optimizer)`), so an LR scheduler drives both.
+
+Every host-side task for an expert (gradient accumulation, step) runs on one worker thread in
+submission order. Modes:
+- `eager` (ES-MoE): when a gradient of the last micro-batch is handed over, the expert's step
+  is queued right behind its accumulation and overlaps the rest of backward;
+- `deferred`: backward only accumulates; `step_all()` after backward steps every expert (and
+  `grad_norm_sq()` allows global-norm clipping over dense + expert gradients first).
+Every expert steps every iteration, as torch.optim.AdamW does for a stacked expert parameter
+(experts without tokens get a zero gradient: their moments decay and weight decay applies).
+
+Fences: `step_fence(key)` is the future of the expert's last queued step; a device upload of
+that expert waits on it, so a forward never reads a master whose step is still running.
+
+Deliberately not here: dense parameters (the user's own optimizer), gradient scaling for fp16
+(fp16 compute should use bf16 or a scaler on the dense side; not done yet).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch.optim.adamw import adamw
+
+from moescale.offload.store import ExpertStore, Key
+
+IMPLS = ("single", "foreach", "fused")
+STEP_MODES = ("eager", "deferred")
+
+
+@dataclass(kw_only=True)
+class AdamWConfig:
+    """Expert AdamW hyper-parameters (used unless the engine follows a dense optimizer)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    impl: str = "fused"
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0:
+            raise ValueError(f"lr={self.lr!r} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas!r} must be two numbers in [0, 1)")
+        if not self.eps > 0:
+            raise ValueError(f"eps={self.eps!r} must be > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} is unknown; use one of {', '.join(IMPLS)}")
+
+
+class HostOptimizer:
+    """Accumulates expert gradients and steps experts with AdamW on a worker thread."""
+
+    def __init__(self, store: ExpertStore, config: AdamWConfig, mode: str = "eager") -> None:
+        if mode not in STEP_MODES:
+            raise ValueError(f"step_mode={mode!r} is unknown; use one of {', '.join(STEP_MODES)}")
+        self.store, self.config, self.mode = store, config, mode
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="moescale-optim")
+        self._lock = threading.Lock()
+        self._last_task: dict[Key, Future] = {}
+        self._step_fence: dict[Key, Future] = {}
+        self._stepped: set[Key] = set()
+        self._follow = None
+        self.step_seconds = 0.0
+
+    # ----------------------------------------------------------------- hyper-parameters
+    def follow(self, dense_optimizer: torch.optim.Optimizer | None) -> None:
+        """Take lr, betas, eps and weight_decay from dense_optimizer.param_groups[0]."""
+        self._follow = dense_optimizer
+
+    def hparams(self) -> dict:
+        cfg = self.config
+        hp = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        if self._follow is not None:
+            group = self._follow.param_groups[0]
+            hp.update({k: group[k] for k in hp if k in group})
+        hp["lr"] = float(hp["lr"])
+        return hp
+
+    # ----------------------------------------------------------------- tasks
+    def _submit(self, key: Key, fn: Callable, *args, is_step: bool = False) -> Future:
+        with self._lock:
+            future = self._worker.submit(fn, *args)
+            self._last_task[key] = future
+            if is_step:
+                self._step_fence[key] = future
+                self._stepped.add(key)
+        return future
+
+    def step_fence(self, key: Key) -> Future | None:
+        return self._step_fence.get(key)
+
+    def wait_step(self, key: Key) -> None:
+        fence = self._step_fence.get(key)
+        if fence is not None:
+            fence.result()
+
+    def accumulate(self, key: Key, grads, *, last: bool,
+                   on_done: Callable[[], None] | None = None) -> None:
+        """Queue the expert's gradient tensors (in layout order, any float dtype, on the host;
+        or a Transfer of them) to be added to its fp32 accumulator, then call on_done(). In
+        eager mode with last=True the expert's step follows at once."""
+        self._submit(key, self._accumulate, key, grads, on_done)
+        if last and self.mode == "eager":
+            self._submit(key, self._step, [key], self.hparams(), None, is_step=True)
+
+    def _accumulate(self, key: Key, grads, on_done) -> None:
+        try:
+            if hasattr(grads, "wait"):  # a device -> host Transfer
+                grads = grads.wait()
+            rec = self.store.acquire(key)
+            try:
+                views = self.store.layouts[key[0]].split(rec.grad_P).values()
+                for view, grad in zip(views, grads, strict=True):
+                    view.add_(grad.reshape(view.shape))
+            finally:
+                self.store.release(key, dirty=True)
+        finally:
+            if on_done is not None:
+                on_done()
+
+    def _step(self, keys: Sequence[Key], hp: dict, grad_coef: float | None) -> None:
+        import time
+        start = time.perf_counter()
+        recs = [self.store.acquire(k) for k in keys]
+        try:
+            if grad_coef is not None:
+                for r in recs:
+                    r.grad_P.mul_(grad_coef)
+            impl = self.config.impl
+            adamw([r.master_P for r in recs], [r.grad_P for r in recs],
+                  [r.exp_avg_P for r in recs], [r.exp_avg_sq_P for r in recs], [],
+                  [r.step_t for r in recs], foreach=impl == "foreach",
+                  fused=impl == "fused" or None, amsgrad=False, beta1=hp["betas"][0],
+                  beta2=hp["betas"][1], lr=hp["lr"], weight_decay=hp["weight_decay"],
+                  eps=hp["eps"], maximize=False)
+            for r in recs:
+                r.grad_P.zero_()
+                self.store.bump_version(r.key)
+        finally:
+            for k in keys:
+                self.store.release(k, dirty=True)
+        self.step_seconds += time.perf_counter() - start
+
+    def wait_all(self) -> None:
+        """Block until every queued task has run (re-raising the first error)."""
+        with self._lock:
+            futures = list(self._last_task.values())
+        for f in futures:
+            f.result()
+
+    # ----------------------------------------------------------------- end of iteration
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Sum of squares of every expert gradient accumulator (after wait_all)."""
+        self.wait_all()
+        total = torch.zeros((), dtype=torch.float32)
+        for key in self.store.keys():
+            rec = self.store.acquire(key)
+            try:
+                total += rec.grad_P.norm(2).square()
+            finally:
+                self.store.release(key)
+        return total
+
+    def step_all(self, grad_coef: float | None = None, group: int = 16) -> None:
+        """Step every expert not yet stepped this iteration (all of them in deferred mode),
+        scaling gradients by grad_coef first (global-norm clipping); then start a new
+        iteration. Returns at once: the steps run on the worker, fenced per expert."""
+        if grad_coef is not None and self.mode == "eager":
+            raise ValueError("gradient clipping over expert gradients needs step_mode="
+                             "'deferred' (eager mode steps experts during backward)")
+        hp = self.hparams()
+        pending = [k for k in self.store.keys() if k not in self._stepped]
+        if self.store.config.tier == "disk":
+            group = 1  # never pin more records than the host cache holds
+        for i in range(0, len(pending), group):
+            chunk = pending[i:i + group]
+            future = self._submit(chunk[0], self._step, chunk, hp, grad_coef, is_step=True)
+            with self._lock:
+                for k in chunk:
+                    self._step_fence[k] = future
+                    self._last_task[k] = future
+        with self._lock:
+            self._stepped.clear()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
