@@ -8,6 +8,9 @@ training. Routers never touch torch.distributed and never build a dispatch mask.
 
 Legend: T tokens, D model width, E experts, K experts per token.
 An expert id of -1 marks a slot the router itself dropped (GShard's random routing).
+Ties pick the lowest expert index (`top_k_lowest_index`), on every device: `torch.topk` leaves
+tie order unspecified (on CPU it picks e.g. experts 6, 5 of 8 equal gates), and ties are common
+(zero padding tokens, zero-initialised or upcycled gates, bf16-rounded inputs).
 """
 
 from __future__ import annotations
@@ -26,6 +29,23 @@ class RouterOutput(NamedTuple):
     expert_ids_TK: torch.Tensor  # int64, -1 where the router dropped the slot
     logits_TE: torch.Tensor      # fp32 gate logits (z-loss)
     probs_TE: torch.Tensor       # fp32 softmax over all experts (balance loss)
+
+
+def top_k_lowest_index(values_TE: torch.Tensor, k: int):
+    """(values_TK, ids_TK): the k largest per row, descending, ties to the lowest index.
+
+    k passes of `argmax` (documented to return the first maximal index), masking each pick;
+    as fast as `torch.topk` for the small k of MoE routing.
+    """
+    ids_T1 = values_TE.detach().argmax(dim=-1, keepdim=True)
+    picks = [ids_T1]
+    if k > 1:
+        masked_TE = values_TE.detach().clone()
+        for _ in range(k - 1):
+            masked_TE.scatter_(1, picks[-1], float("-inf"))
+            picks.append(masked_TE.argmax(dim=-1, keepdim=True))
+    ids_TK = torch.cat(picks, dim=1) if k > 1 else ids_T1
+    return values_TE.gather(1, ids_TK), ids_TK
 
 
 class Router(nn.Module):
@@ -64,7 +84,7 @@ class Router(nn.Module):
             elif cfg.kind == "gshard":
                 scores_TK, ids_TK = self._gshard(probs_TE)
             else:
-                scores_TK, ids_TK = torch.topk(probs_TE, cfg.top_k, dim=-1)
+                scores_TK, ids_TK = top_k_lowest_index(probs_TE, cfg.top_k)
                 if cfg.renormalize_scores:
                     scores_TK = scores_TK / scores_TK.sum(-1, keepdim=True)
         return RouterOutput(scores_TK, ids_TK, logits_TE, probs_TE)
@@ -75,12 +95,12 @@ class Router(nn.Module):
         if self.training:
             std_TE = F.softplus(x32_TD @ self.noise_weight.float().t()) + cfg.noise_std_min
             noisy_TE = logits_TE + torch.randn_like(logits_TE) * std_TE
-        top_TK, ids_TK = torch.topk(noisy_TE, cfg.top_k, dim=-1)
+        top_TK, ids_TK = top_k_lowest_index(noisy_TE, cfg.top_k)
         return torch.softmax(top_TK, dim=-1), ids_TK
 
     def _gshard(self, probs_TE: torch.Tensor):
         cfg = self.config
-        scores_TK, ids_TK = torch.topk(probs_TE, 2, dim=-1)
+        scores_TK, ids_TK = top_k_lowest_index(probs_TE, 2)
         if cfg.renormalize_scores:
             scores_TK = scores_TK / scores_TK.sum(-1, keepdim=True)
         if self.training and cfg.random_routing:
