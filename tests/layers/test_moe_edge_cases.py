@@ -73,6 +73,20 @@ def test_whole_batch_on_one_expert_matches_reference(moe_helpers, router, top_k,
     assert moe.last_stats.balance_loss.item() > 2.0
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("router,top_k", ROUTERS)
+def test_tied_gates_zero_router_and_padding_tokens_match_reference(moe_helpers, router, top_k,
+                                                                   capacity_factor):
+    moe = build(num_experts=8, router=router, top_k=top_k, capacity_factor=capacity_factor)
+    x = make_input(2, 10)
+    x[:, 6:] = 0.0  # zero padding: every gate logit ties
+    moe_helpers.check_against_reference(moe.eval(), x)
+    with torch.no_grad():
+        moe.router.weight.zero_()  # a zero-initialised gate: every token ties
+    moe_helpers.check_against_reference(moe.train(), x)
+    assert moe.last_stats.routed_E[:top_k].sum() > 0
+
+
 @pytest.mark.parametrize("shape", [(0,), (2, 0)], ids=["T0", "B2xS0"])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 @pytest.mark.parametrize("router,top_k", ROUTERS)

@@ -17,6 +17,7 @@ import torch
 
 from moescale import MoE, Router, RouterConfig
 from moescale.routing.losses import balance_loss, z_loss
+from moescale.routing.routers import top_k_lowest_index
 
 D_MODEL = 16
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -44,6 +45,32 @@ def test_topk_router_is_softmax_then_topk_with_renormalisation(top_k, renormaliz
     assert torch.equal(out.expert_ids_TK, ids) and out.expert_ids_TK.dtype == torch.int64
     expected = top / top.sum(-1, keepdim=True) if expect_renorm else top
     torch.testing.assert_close(out.scores_TK, expected)
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 1), (8, 2), (64, 2), (16, 4)])
+@pytest.mark.parametrize("kind", ["topk", "noisy_topk", "switch", "gshard"])
+def test_tied_gates_pick_the_lowest_expert_indices(kind, num_experts, top_k):
+    top_k = {"switch": 1, "gshard": 2}.get(kind, top_k)
+    router = make_router(kind, num_experts=num_experts, top_k=top_k).eval()
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[5, 0] = 1.0  # expert 5 wins for x0 > 0; the rest tie at 0
+    x = make_input(6)
+    x[:3, 0] = 1.0
+    x[3:] = 0.0  # padding tokens: every gate ties
+    ids = router(x).expert_ids_TK
+    assert ids[:3].tolist() == [[5] + [e for e in range(num_experts) if e != 5][:top_k - 1]] * 3
+    assert ids[3:].tolist() == [list(range(top_k))] * 3
+
+
+def test_lowest_index_top_k_equals_torch_topk_without_ties_and_keeps_gradients():
+    values_TE = torch.randn(50, 16, generator=torch.Generator().manual_seed(0),
+                            requires_grad=True)
+    got_values, got_ids = top_k_lowest_index(values_TE, 3)
+    want_values, want_ids = torch.topk(values_TE, 3, dim=-1)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_values, want_values)
+    got_values.sum().backward()
+    assert values_TE.grad.sum().item() == pytest.approx(150.0)
 
 
 @pytest.mark.parametrize("kind,top_k", [("noisy_topk", 2), ("switch", 1), ("gshard", 2)])
