@@ -61,6 +61,7 @@ class DeviceCache:
         self._pinned: dict[Key, _Entry] = {}
         self.ema: dict[Key, float] = {}
         self.num_uploads = 0
+        self.num_lookahead = 0
 
     def expert_bytes(self, layer: int) -> int:
         return self.store.layouts[layer].numel * torch.empty((), dtype=self.dtype).element_size()
@@ -129,6 +130,8 @@ class DeviceCache:
                                         headroom=headroom if pending else 0)
                     if entry is None:
                         return
+                if pending:
+                    self.num_lookahead += 1  # issued while an earlier expert is computing
                 pending.append((order[nxt], entry))
                 nxt += 1
 

@@ -281,7 +281,12 @@ class ExpertStore:
         self._cache_bytes += nbytes
         self.peak_cache_bytes = max(self.peak_cache_bytes, self._cache_bytes)
         rec.loading = self._io.submit(self._read, key, rec.data_4P)
+        rec.loading.add_done_callback(self._loaded)
         return rec
+
+    def _loaded(self, _future) -> None:
+        with self._lock:  # a finished read makes its entry evictable: wake blocked loads
+            self._changed.notify_all()
 
     def _victim(self, below: float | None) -> ExpertRecord | None:
         """The unpinned, loaded entry used farthest in the future (None if none qualifies;
