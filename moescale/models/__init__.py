@@ -1,6 +1,12 @@
-"""Models: the MoE GPT language model and its named sizes (more to come: moefy, HF interop)."""
+"""Models: the MoE GPT language model and its named sizes; moefy (dense FFNs -> MoE, upcycling).
+
+`moescale.models.hf` (Hugging Face MoE import/export) needs transformers and is imported
+explicitly, never from here, so transformers stays optional.
+"""
 
 from moescale.models.gpt import GPT, GPTConfig, ParamCount, count_parameters
+from moescale.models.moefy import MoefyConfig, find_ffn_blocks, moefy
 from moescale.models.sizes import SIZE_NAMES, gpt_config
 
-__all__ = ["GPT", "GPTConfig", "ParamCount", "SIZE_NAMES", "count_parameters", "gpt_config"]
+__all__ = ["GPT", "GPTConfig", "MoefyConfig", "ParamCount", "SIZE_NAMES", "count_parameters",
+           "find_ffn_blocks", "gpt_config", "moefy"]
