@@ -46,20 +46,13 @@ from moescale.dispatch.local import combine_rows
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.experts import GroupedExperts, compute_dtype
 from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward, mm_into, segments
-from moescale.parallel.all_to_all import start_all_to_all
+from moescale.parallel.all_to_all import exchange_counts, start_all_to_all
+from moescale.parallel.cost_model import (STRATEGIES, LayerShape, Rates, choose_strategy,
+                                          measure_rates)
 from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, expert_major_order,
                                                inverse_permutation)
-from moescale.parallel.all_to_all import exchange_counts
 from moescale.parallel.groups import ParallelGroups
 from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
-
-STRATEGIES = {            # (dispatched input, hidden)
-    "none": ("keep", "keep"),
-    "S1": ("offload", "offload"),
-    "S2": ("offload", "recompute"),
-    "S3": ("recomm", "offload"),
-    "S4": ("recomm", "recompute"),
-}
 
 
 def ranges_index(starts: list[int], lengths: list[int], device) -> torch.Tensor:
@@ -331,17 +324,34 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
 
     def __init__(self, groups: ParallelGroups, num_experts: int, *,
                  num_chunks: int | str = 2, strategy: str = "none",
-                 tuner: TunerConfig | None = None) -> None:
+                 tuner: TunerConfig | None = None, memory_limit_bytes: float | None = None,
+                 rates: Rates | None = None) -> None:
         super().__init__(groups, num_experts)
         if num_chunks != "auto" and (not isinstance(num_chunks, int) or num_chunks < 1):
             raise ValueError(f"num_chunks={num_chunks!r} must be a positive integer or 'auto'")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} is unknown; use one of "
+        if strategy != "auto" and strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} is unknown; use 'auto' or one of "
                              f"{', '.join(STRATEGIES)}")
         self.num_chunks, self.strategy = num_chunks, strategy
+        self.memory_limit_bytes, self.rates = memory_limit_bytes, rates
         self.tuner = ChunkTuner(tuner or TunerConfig()) if num_chunks == "auto" else None
         self.last_stats: dict = {}
         self.history: list[tuple[int, int]] = []     # (bucket, chunks) of each call
+
+    def strategy_for(self, max_rows: int, chunks: int, local: GroupedExperts,
+                     x_TD: torch.Tensor) -> str:
+        """The reuse strategy of this call: fixed, or the cost model's pick (identical on every
+        rank: measured rates are maxed over the group and max_rows is the group's maximum)."""
+        if self.strategy != "auto":
+            return self.strategy
+        if self.rates is None:
+            self.rates = measure_rates(self.groups, d_model=local.d_model, d_ff=local.d_ff,
+                                       rows=max(64, max_rows), device=x_TD.device,
+                                       dtype=x_TD.dtype)
+        shape = LayerShape(rows=max_rows, d_model=local.d_model, d_ff=local.d_ff,
+                           glu=local.glu, elem_bytes=x_TD.element_size(),
+                           ep_size=self.groups.ep_size)
+        return choose_strategy(shape, self.rates, chunks, self.memory_limit_bytes)[0]
 
     def _exchange(self, plan: RoutingPlan, device):
         """Counts exchange carrying [counts of the peer's experts..., my rows, my last time]."""
@@ -360,8 +370,8 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         times = [row[L + 1] for row in recv]
         if self.tuner is not None and prev and min(times) >= 0:
             self.tuner.record(prev["bucket"], prev["chunks"], max(times) / 1e6)
-        bucket = bucket_of(max(row[L] for row in recv))
-        return [row[:L] for row in send], [row[:L] for row in recv], bucket
+        max_rows = max(row[L] for row in recv)
+        return [row[:L] for row in send], [row[:L] for row in recv], max_rows
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
         local = getattr(experts, "local", None)
@@ -370,15 +380,18 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
                              "(an ExpertShard of GroupedExperts); use ExpertParallelDispatcher "
                              f"for {type(local or experts).__name__}")
         start = _clock(x_TD)
-        send_WL, recv_WL, bucket = self._exchange(plan, x_TD.device)
+        send_WL, recv_WL, max_rows = self._exchange(plan, x_TD.device)
+        bucket = bucket_of(max_rows)
         chunks = self.tuner.choose(bucket) if self.tuner is not None else self.num_chunks
         self.history.append((bucket, chunks))
         layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, chunks)
         x_TD = x_TD.to(compute_dtype(x_TD))
         w = local.weights(x_TD.dtype)
-        spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=self.strategy,
+        strategy = self.strategy_for(max_rows, chunks, local, x_TD)
+        spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=strategy,
                             num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
-        spec.stats.update(num_tokens=x_TD.shape[0], bucket=bucket, chunks=chunks)
+        spec.stats.update(num_tokens=x_TD.shape[0], bucket=bucket, chunks=chunks,
+                          strategy=strategy)
         self.last_stats = spec.stats
         y_RD = PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF,
                                        w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)

@@ -109,7 +109,8 @@ def check_against_reference(rank: int, world: int, cases: list[dict], ep_size: i
         dispatcher = None
         if "chunks" in case:
             dispatcher = PipelinedExpertParallelDispatcher(
-                groups, case["E"], num_chunks=case["chunks"], strategy=case["strategy"])
+                groups, case["E"], num_chunks=case["chunks"], strategy=case["strategy"],
+                memory_limit_bytes=case.get("memory_limit"))
         moe = shard_moe(full, groups, dispatcher)
         x = xs[rank].clone().requires_grad_(True)
         y = moe(x)
@@ -134,6 +135,9 @@ def check_against_reference(rank: int, world: int, cases: list[dict], ep_size: i
             norm = clip_grad_norm_(moe, 1e-3, groups)
             want = torch.nn.utils.clip_grad_norm_(list(full.parameters()), 1e-3)
             _close("global grad norm", norm, want, case)
+        if case.get("strategy") == "auto":
+            assert moe.dispatcher.last_stats["strategy"] in case["allowed"], \
+                moe.dispatcher.last_stats
         done.append(case["name"])
     return done
 

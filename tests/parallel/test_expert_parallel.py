@@ -91,6 +91,9 @@ def _pipeline_cases(world: int) -> list[dict]:
              dead=(0, E - 2, E - 1), chunks=4, strategy="S2", bias=True),
         dict(name="pipeline 1 expert per rank", E=world, top_k=1, tokens=tokens, chunks=2,
              strategy="S3"),
+        dict(name="cost model picks a reuse strategy under a tiny limit", E=E, top_k=2,
+             tokens=tokens, chunks=4, strategy="auto", memory_limit=800,
+             allowed=("S1", "S2", "S3", "S4")),
     ]
     return cases
 
