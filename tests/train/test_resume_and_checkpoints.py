@@ -107,3 +107,21 @@ def test_keep_last_and_no_temp_files(tmp_path):
                                                           "ckpt_00000005.safetensors"]
     loaded, _ = load_checkpoint(tmp_path / "ckpt_00000005.safetensors")
     assert loaded["a"].equal(shared) and loaded["tied"].equal(shared)
+
+
+def test_resume_is_exact_with_router_noise_grad_accum_and_bf16(straight, tmp_path):
+    corpus, _ = straight
+    extra = {"model.router": "noisy_topk", "train.grad_accum": "2", "train.precision": "bf16",
+             "train.steps": "4", "train.checkpoint_interval": "0", "train.eval_interval": "2"}
+    runs = {}
+    for name in ("straight", "resumed"):
+        run_dir = tmp_path / name
+        trainer = Trainer(_config(corpus, run_dir, **extra), run_dir, out=open("/dev/null", "w"))
+        if name == "resumed":
+            assert trainer.run(until_step=2) == 0
+            trainer = Trainer(_config(corpus, run_dir, **extra), run_dir, resume=True,
+                              out=open("/dev/null", "w"), err=open("/dev/null", "w"))
+        assert trainer.run() == 0
+        runs[name] = _losses(run_dir)
+    assert len(runs["straight"]) == 4 + 2
+    assert runs["resumed"] == runs["straight"]
