@@ -86,6 +86,10 @@ def _build_experts(cfg: MoEConfig, experts, activation, device, dtype):
         built = experts
     elif isinstance(experts, (list, tuple, nn.ModuleList)):
         built = ModuleExperts(experts)
+    elif isinstance(experts, nn.Module):  # callable, but not a factory
+        raise ValueError(f"experts={type(experts).__name__}(...) is a single module; pass one "
+                         "module per expert (a list) or a factory, e.g. "
+                         "experts=lambda e: copy.deepcopy(module)")
     elif callable(experts):
         built = ModuleExperts([experts(e) for e in range(cfg.num_experts)])
     else:
