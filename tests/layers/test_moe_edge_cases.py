@@ -139,6 +139,12 @@ def test_empty_batch_with_module_experts_runs_backward():
     pytest.param(dict(experts=[nn.Linear(D_MODEL, D_MODEL)] * 2, num_experts=4),
                  ["2 experts", "num_experts=4"], id="experts_list_length"),
     pytest.param(dict(experts=[]), ["experts=[]", "at least one"], id="empty_experts_list"),
+    pytest.param(dict(experts=nn.Linear(D_MODEL, D_MODEL)), ["experts=Linear", "list",
+                                                            "factory"], id="single_module"),
+    pytest.param(dict(experts=lambda e: "mlp"), ["experts[0]", "str", "nn.Module"],
+                 id="factory_returns_non_module"),
+    pytest.param(dict(experts=3), ["experts=3", "factory"], id="experts_not_callable"),
+    pytest.param(dict(d_ff=0), ["d_ff=0", "positive"], id="d_ff=0"),
 ])
 def test_bad_configuration_raises_value_error_naming_argument_value_and_fix(kwargs, expected):
     kwargs = {"num_experts": 4, "top_k": 2, "d_ff": D_FF, **kwargs}
