@@ -19,7 +19,7 @@ device cache, and is the handle of the training loop:
 on the host worker and returns at once; per-expert fences keep the next forward correct.
 
 Deliberately not here: module experts (not done yet), the planner (`offload="auto"`, not done
-yet), checkpoints of the store (not done yet).
+yet), the dense half of a checkpoint (the trainer's).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from moescale.devices import SimulatedDevice, make_device
 from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE
 from moescale.offload.cache import DeviceCache
+from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
 from moescale.offload.optimizer import STEP_MODES, AdamWConfig, HostOptimizer
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
@@ -220,6 +221,18 @@ class OffloadEngine:
             return {n: t.clone() for n, t in self.store.layouts[layer].split(rec.master_P).items()}
         finally:
             self.store.release((layer, e))
+
+    def save_checkpoint(self, directory: str, tag: str) -> str:
+        """Write the expert store (masters, grads, moments, steps) atomically under directory;
+        returns the store's checkpoint directory. The dense side is the trainer's job."""
+        self.synchronize()
+        return save_store(self.store, directory, tag)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore the expert store from the last complete checkpoint under directory."""
+        self.synchronize()
+        self.cache.clear()
+        load_store(self.store, directory)
 
     def close(self) -> None:
         self.synchronize()

@@ -20,7 +20,7 @@ construction; too little free space for the files raises OSError(ENOSPC) before 
 written; a write that fails later (disk full) raises OSError naming the file.
 
 Deliberately not here: the optimizer math (optimizer.py), device copies (cache.py), atomic
-checkpoints of the store (see docs/offloading.md: not done yet).
+checkpoints of the store (checkpoint.py).
 
 Legend: E experts of a layer, P parameters of one expert.
 """
@@ -218,7 +218,16 @@ class ExpertStore:
             self._cache.move_to_end(key)
             loading = rec.loading
         if loading is not None:
-            loading.result()
+            try:
+                loading.result()
+            except BaseException:
+                with self._lock:  # a failed read leaves no entry behind
+                    rec.pins -= 1
+                    if self._cache.get(key) is rec and not rec.pins:
+                        del self._cache[key]
+                        self._cache_bytes -= self.layouts[key[0]].record_bytes()
+                        self._changed.notify_all()
+                raise
         return rec
 
     def release(self, key: Key, dirty: bool = False) -> None:
@@ -315,6 +324,13 @@ class ExpertStore:
                 if rec.dirty and not rec.pins:
                     self._write(rec.key, rec.data_4P)
                     rec.dirty = False
+
+    def drop_cache(self) -> None:
+        """Write back and drop every unpinned cached record (frees the host cache)."""
+        with self._lock:
+            for rec in list(self._cache.values()):
+                if not rec.pins and (rec.loading is None or rec.loading.done()):
+                    self._evict(rec)
 
     def cache_bytes(self) -> int:
         return self._cache_bytes

@@ -1,0 +1,119 @@
+"""Atomic checkpoints of an ExpertStore: fp32 masters, gradient accumulators, Adam moments and
+step counts of every expert, on either tier.
+
+Layout under the checkpoint directory:
+
+    expert-store-{tag}/meta.json        layouts, expert counts, per-expert step counts
+    expert-store-{tag}/layer{l:03d}.bin  raw fp32 [E, 4, P] (the store's record rows)
+    expert-store.LATEST                  the name of the last complete expert-store-* directory
+
+A save writes a new `expert-store-{tag}.tmp` directory, fsyncs every file and the directory,
+renames it into place, then replaces `expert-store.LATEST` atomically (temp file, fsync,
+os.replace) and only then removes older store directories. A failure at any point (disk
+full, a read error) removes the partial directory and leaves LATEST and the checkpoint it names
+intact. Records stream one expert at a time, so a disk-tier store never needs its size in RAM.
+
+Deliberately not here: dense parameters and the dense optimizer (the trainer's own checkpoint),
+sharding over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from moescale.offload.store import ExpertStore
+
+LATEST = "expert-store.LATEST"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def save_store(store: ExpertStore, directory: str, tag: str) -> str:
+    """Write the whole store under directory (atomically); returns the store directory."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"checkpoint directory={directory!r} does not exist; create it first")
+    name = f"expert-store-{tag}"
+    final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        meta = {"layouts": [list(zip(lay.names, lay.shapes)) for lay in store.layouts],
+                "num_experts": store.num_experts, "steps": {}}
+        for layer, num in enumerate(store.num_experts):
+            path = os.path.join(tmp, f"layer{layer:03d}.bin")
+            with open(path, "wb") as f:
+                for e in range(num):
+                    rec = store.acquire((layer, e))
+                    try:
+                        f.write(memoryview(rec.data_4P.contiguous().numpy()).cast("B"))
+                        meta["steps"][f"{layer},{e}"] = float(rec.step_t)
+                    finally:
+                        store.release((layer, e))
+                f.flush()
+                os.fsync(f.fileno())
+        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta))
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        _write_atomic(os.path.join(directory, LATEST), name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for entry in os.listdir(directory):
+        if entry.startswith("expert-store-") and entry != name and \
+                os.path.isdir(os.path.join(directory, entry)):
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+    return final
+
+
+def load_store(store: ExpertStore, directory: str) -> None:
+    """Fill `store` (same layers and experts) from the checkpoint LATEST names."""
+    latest = os.path.join(directory, LATEST)
+    if not os.path.exists(latest):
+        raise ValueError(f"no expert-store checkpoint under {directory!r} ({LATEST} is missing)")
+    with open(latest) as f:
+        src = os.path.join(directory, f.read().strip())
+    with open(os.path.join(src, "meta.json")) as f:
+        meta = json.load(f)
+    want = [[list(x) for x in zip(lay.names, lay.shapes)] for lay in store.layouts]
+    got = [[[n, list(s)] for n, s in layer] for layer in meta["layouts"]]
+    if got != [[[n, list(s)] for n, s in layer] for layer in want] or \
+            meta["num_experts"] != store.num_experts:
+        raise ValueError(f"the checkpoint in {src!r} holds experts of another shape "
+                         f"({meta['num_experts']} experts per layer); build the same model")
+    for layer, num in enumerate(store.num_experts):
+        numel = store.layouts[layer].numel
+        with open(os.path.join(src, f"layer{layer:03d}.bin"), "rb") as f:
+            for e in range(num):
+                buf = torch.empty(4, numel, dtype=torch.float32)
+                if f.readinto(memoryview(buf.numpy()).cast("B")) != 16 * numel:
+                    raise ValueError(f"checkpoint file layer{layer:03d}.bin in {src!r} is "
+                                     "truncated")
+                rec = store.acquire((layer, e))
+                try:
+                    rec.data_4P.copy_(buf)
+                    rec.step_t.fill_(meta["steps"][f"{layer},{e}"])
+                    store.bump_version((layer, e))  # device copies of the old state are stale
+                finally:
+                    store.release((layer, e), dirty=True)
