@@ -76,7 +76,11 @@ class RouterConfig:
 
 def expert_capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
                     num_experts: int) -> int | None:
-    """Slots per expert: ceil(capacity_factor * T * K / E); None means dropless."""
+    """Slots per expert: ceil(capacity_factor * T * K / E); None means dropless.
+
+    The product is shrunk by a relative 1e-12 before the ceiling so that float rounding of an
+    exact integer (1.1 * 50 = 55.00000000000001) does not grant one slot too many.
+    """
     if capacity_factor is None:
         return None
-    return int(math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    return int(math.ceil(capacity_factor * num_tokens * top_k / num_experts * (1 - 1e-12)))
