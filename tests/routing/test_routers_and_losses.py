@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moescale import MoE, Router, RouterConfig
+from moescale.routing.config import expert_capacity
 from moescale.routing.losses import balance_loss, z_loss
 from moescale.routing.routers import top_k_lowest_index
 
@@ -162,6 +163,16 @@ def test_router_config_rejects_bad_values_naming_them(kwargs, expected):
     with pytest.raises(ValueError) as info:
         RouterConfig(**{"kind": "topk", "num_experts": 4, "top_k": 2, **kwargs})
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("capacity_factor,num_tokens,top_k,num_experts,expected", [
+    (1.1, 50, 1, 1, 55), (1.1, 25, 2, 1, 55), (1.2, 20, 2, 8, 6), (1.25, 64, 2, 4, 40),
+    (1.0, 4096, 2, 8, 1024), (0.5, 33, 2, 4, 9), (2.0, 1, 1, 64, 1), (1.0, 0, 2, 4, 0),
+    (0.01, 10, 1, 1, 1)])
+def test_expert_capacity_is_the_exact_ceiling(capacity_factor, num_tokens, top_k, num_experts,
+                                               expected):
+    assert expert_capacity(capacity_factor, num_tokens, top_k, num_experts) == expected
+    assert expert_capacity(None, num_tokens, top_k, num_experts) is None
 
 
 # --- losses ---------------------------------------------------------------------------------
