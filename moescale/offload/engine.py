@@ -1,7 +1,8 @@
 """offload_moe(model, OffloadConfig(...)): move the experts of a model's MoE layers out of it.
 
-Every `MoE` layer with `GroupedExperts` gets its expert weights copied (fp32) into one shared
-`ExpertStore` and its `experts` replaced by `OffloadedGroupedExperts`; the model keeps no
+Every `MoE` layer gets its expert weights copied (fp32) into one shared `ExpertStore` and its
+`experts` replaced by `OffloadedGroupedExperts` (for GroupedExperts) or
+`OffloadedModuleExperts` (for ModuleExperts, run through functional_call); the model keeps no
 expert parameters, so the user's dense optimizer only sees dense ones. The returned
 `OffloadEngine` owns the device (simulated or CUDA), the store, the host optimizer and the
 device cache, and is the handle of the training loop:
@@ -18,7 +19,7 @@ device cache, and is the handle of the training loop:
 `engine.step()` steps the experts that have not stepped yet (all of them in deferred mode)
 on the host worker and returns at once; per-expert fences keep the next forward correct.
 
-Deliberately not here: module experts (not done yet), the planner (`offload="auto"`, not done
+Deliberately not here: the planner (`offload="auto"`, not done
 yet), the dense half of a checkpoint (the trainer's).
 """
 
@@ -31,11 +32,12 @@ import torch
 from torch import nn
 
 from moescale.devices import SimulatedDevice, make_device
-from moescale.layers.experts import GroupedExperts
+from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
 from moescale.offload.cache import DeviceCache
 from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
+from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
 from moescale.offload.optimizer import STEP_MODES, AdamWConfig, HostOptimizer
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
 
@@ -97,7 +99,7 @@ class OffloadEngine:
                                        config.step_mode)
         self.device = None
         self.cache: DeviceCache | None = None
-        self.layers: list[OffloadedGroupedExperts] = []
+        self.layers: list = []  # the offloaded expert containers, by store layer
         self.last_micro_batch = True
         self._trace: list[tuple[int, list[int]]] = []
         self._grad_coef: float | None = None
@@ -113,6 +115,17 @@ class OffloadEngine:
         module = OffloadedGroupedExperts(self, layer, experts.num_experts, experts.d_model,
                                          experts.d_ff, experts.act, experts.glu,
                                          experts.b1_EF is not None, layout)
+        self.layers.append(module)
+        return module
+
+    def add_modules(self, experts: ModuleExperts, d_model: int) -> OffloadedModuleExperts:
+        modules = list(experts.experts)
+        layout = module_layout(modules)
+        layer = self.store.add_layer(
+            layout, len(modules),
+            lambda e: torch.cat([p.detach().reshape(-1).float()
+                                 for p in modules[e].parameters()]))
+        module = OffloadedModuleExperts(self, layer, modules, d_model, layout)
         self.layers.append(module)
         return module
 
@@ -251,10 +264,12 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None) -> Offloa
         raise ValueError("offload_moe found no MoE layer in the model; build it with "
                          "moescale.MoE layers (or convert its FFNs first)")
     for moe in moes:
-        if not isinstance(moe.experts, GroupedExperts):
-            raise ValueError(f"offload_moe supports GroupedExperts (FFN/GLU) experts; this "
-                             f"layer has {type(moe.experts).__name__} (module experts are not "
-                             "supported yet)")
-        moe.experts = engine.add(moe.experts)
+        if isinstance(moe.experts, GroupedExperts):
+            moe.experts = engine.add(moe.experts)
+        elif isinstance(moe.experts, ModuleExperts):
+            moe.experts = engine.add_modules(moe.experts, moe.config.d_model)
+        else:
+            raise ValueError(f"offload_moe supports GroupedExperts and ModuleExperts; this "
+                             f"layer has {type(moe.experts).__name__}")
     engine.finish_setup()
     return engine

@@ -18,8 +18,10 @@ Two entry points, as the expert seam asks: `forward_routed(x_TD, plan)` (gather,
 score-weighted combine fused) and `forward_rows(x_RD, counts)` (rows already grouped, for
 all-to-all dispatchers).
 
-Deliberately not here: module experts (torch.func.functional_call; not done yet), the
-cache's eviction policy (cache.py), the optimizer (optimizer.py).
+The per-expert math is the container's: `OffloadedGroupedExperts` here (the grouped kernels on a
+single-expert weight slice), `OffloadedModuleExperts` in module_experts.py (functional_call).
+
+Deliberately not here: the cache's eviction policy (cache.py), the optimizer (optimizer.py).
 
 Legend: T tokens, R rows grouped by expert, N rows of one expert, D model width,
 F expert hidden width, P parameters of one expert.
@@ -69,18 +71,15 @@ class OffloadedExpertsFn(torch.autograd.Function):
             for e, w_P in engine.cache.walk(layer.layer_index, order):
                 s, n = starts[e], counts[e]
                 x_ND = x.index_select(0, token_idx_R[s:s + n]) if routed else x[s:s + n]
-                y_ND, h1_NF, h3_NF = ffn_forward(x_ND, (n,), layer.weights(w_P), layer.act)
+                y_ND, hidden = layer.run_expert(e, x_ND, w_P, keep_hidden=policy != "recompute")
                 del w_P
                 if routed:
                     y_ND.mul_(scores_x[s:s + n].unsqueeze(1))
                     y.index_add_(0, token_idx_R[s:s + n], y_ND)
                 else:
                     y[s:s + n] = y_ND
-                if policy == "keep":
-                    saved[e] = (h1_NF, h3_NF)
-                elif policy == "offload":
-                    hidden = [h1_NF] if h3_NF is None else [h1_NF, h3_NF]
-                    saved[e] = engine.device.download(hidden)
+                if hidden is not None:
+                    saved[e] = hidden if policy == "keep" else engine.device.download(hidden)
         ctx.layer, ctx.counts, ctx.order, ctx.saved = layer, counts, order, saved
         ctx.last_micro_batch = engine.last_micro_batch
         ctx.save_for_backward(x, scores_R, token_idx_R)
@@ -102,26 +101,20 @@ class OffloadedExpertsFn(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for e, w_P in engine.cache.walk(layer.layer_index, order, headroom=grad_bytes):
                 s, n = starts[e], counts[e]
-                w = layer.weights(w_P)
                 if routed:
                     rows_N = token_idx_R[s:s + n]
                     x_ND, gy_ND = x.index_select(0, rows_N), gy.index_select(0, rows_N)
                 else:
                     x_ND, gy_ND = x[s:s + n], gy[s:s + n]
-                if policy == "keep":
-                    h1_NF, h3_NF = saved.pop(e)
-                elif policy == "offload":
-                    hidden = engine.device.upload(saved.pop(e).wait()).wait()
-                    h1_NF, h3_NF = hidden[0], (hidden[1] if len(hidden) > 1 else None)
-                else:
-                    h1_NF, h3_NF = layer.hidden(x_ND, w)
+                hidden = saved.pop(e, None)
+                if policy == "offload" and hidden is not None:
+                    hidden = engine.device.upload(hidden.wait()).wait()
                 grad_res = engine.device.reserve(grad_bytes, f"gradient of expert "
                                                  f"{(layer.layer_index, e)}", block=True,
                                                  async_release=True)
-                dx_ND, gw, ds_N = ffn_backward(
-                    gy_ND, x_ND, h1_NF, h3_NF, (n,), w, layer.act,
-                    scale_R=scores_R[s:s + n] if routed else None, need_dx=need_dx)
-                del w, w_P, h1_NF, h3_NF
+                dx_ND, grads, ds_N = layer.run_expert_backward(
+                    e, gy_ND, x_ND, w_P, hidden, scores_R[s:s + n] if routed else None, need_dx)
+                del w_P, hidden
                 if need_dx:
                     if routed:
                         dx.index_add_(0, rows_N, dx_ND)
@@ -129,40 +122,23 @@ class OffloadedExpertsFn(torch.autograd.Function):
                         dx[s:s + n] = dx_ND
                 if need_ds:
                     ds_R[s:s + n] = ds_N
-                grads = [g[0] for g in (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
-                         if g is not None]
                 engine.hand_gradient((layer.layer_index, e), grads, grad_res,
                                      last=ctx.last_micro_batch)
         ctx.saved = None
         return None, dx, ds_R, None, None, None
 
 
-class OffloadedGroupedExperts(nn.Module):
-    """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
+class OffloadedExpertsBase(nn.Module):
+    """The expert seam over an ExpertStore (no parameters). Subclasses give the per-expert
+    math for expert e: run_expert(e, x_ND, w_P, keep_hidden) -> (y_ND, hidden or None) and
+    run_expert_backward(e, gy_ND, x_ND, w_P, hidden, scale_N, need_dx) -> (dx, grads, ds)."""
 
-    def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
-                 act: Activation, glu: bool, bias: bool, layout) -> None:
+    def __init__(self, engine, layer_index: int, num_experts: int, d_model: int,
+                 layout) -> None:
         super().__init__()
         self.engine, self.layer_index = engine, layer_index
-        self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
-        self.act, self.glu, self.bias, self.layout = act, glu, bias, layout
+        self.num_experts, self.d_model, self.layout = num_experts, d_model, layout
         self.anchor = torch.empty(0, requires_grad=True)
-
-    def weights(self, w_P: torch.Tensor) -> FFNWeights:
-        """Single-expert FFNWeights ([1, ...] views) over a flat weight copy."""
-        parts = self.layout.split(w_P)
-        return FFNWeights(*(parts[name].unsqueeze(0) if name in parts else None
-                            for name in PARAM_NAMES))
-
-    def hidden(self, x_ND: torch.Tensor, w: FFNWeights):
-        """Recompute (h1_NF, h3_NF or None) for the recompute policy."""
-        h1_NF = x_ND.new_empty(x_ND.shape[0], self.d_ff)
-        mm_into(h1_NF, x_ND, w.w1_EDF[0], None if w.b1_EF is None else w.b1_EF[0])
-        h3_NF = None
-        if w.w3_EDF is not None:
-            h3_NF = x_ND.new_empty(x_ND.shape[0], self.d_ff)
-            mm_into(h3_NF, x_ND, w.w3_EDF[0])
-        return h1_NF, h3_NF
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)
@@ -183,16 +159,62 @@ class OffloadedGroupedExperts(nn.Module):
         return OffloadedExpertsFn.apply(self._anchor(), self._input(x_RD), None, None, self,
                                         tuple(counts))
 
-    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
-        """Expert e from its fp32 master (no gradient; for checks against the reference)."""
+    def master(self, e: int) -> torch.Tensor:
+        """A copy of expert e's flat fp32 master."""
         rec = self.engine.store.acquire((self.layer_index, e))
         try:
-            w = self.weights(rec.master_P.clone())
+            return rec.master_P.clone()
         finally:
             self.engine.store.release((self.layer_index, e))
+
+    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        """Expert e from its fp32 master (no gradient; for checks against the reference)."""
         with torch.no_grad():
-            y, _, _ = ffn_forward(x_ND.float(), (x_ND.shape[0],), w, self.act)
-        return y.to(x_ND.dtype)
+            y_ND, _ = self.run_expert(e, x_ND.float(), self.master(e), keep_hidden=False)
+        return y_ND.to(x_ND.dtype)
+
+
+class OffloadedGroupedExperts(OffloadedExpertsBase):
+    """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
+
+    def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
+                 act: Activation, glu: bool, bias: bool, layout) -> None:
+        super().__init__(engine, layer_index, num_experts, d_model, layout)
+        self.d_ff, self.act, self.glu, self.bias = d_ff, act, glu, bias
+
+    def weights(self, w_P: torch.Tensor) -> FFNWeights:
+        """Single-expert FFNWeights ([1, ...] views) over a flat weight copy."""
+        parts = self.layout.split(w_P)
+        return FFNWeights(*(parts[name].unsqueeze(0) if name in parts else None
+                            for name in PARAM_NAMES))
+
+    def hidden(self, x_ND: torch.Tensor, w: FFNWeights):
+        """Recompute (h1_NF, h3_NF or None) for the recompute policy."""
+        h1_NF = x_ND.new_empty(x_ND.shape[0], self.d_ff)
+        mm_into(h1_NF, x_ND, w.w1_EDF[0], None if w.b1_EF is None else w.b1_EF[0])
+        h3_NF = None
+        if w.w3_EDF is not None:
+            h3_NF = x_ND.new_empty(x_ND.shape[0], self.d_ff)
+            mm_into(h3_NF, x_ND, w.w3_EDF[0])
+        return h1_NF, h3_NF
+
+    def run_expert(self, e: int, x_ND: torch.Tensor, w_P: torch.Tensor, keep_hidden: bool):
+        """(y_ND, hidden to save or None) for one expert's rows."""
+        y_ND, h1_NF, h3_NF = ffn_forward(x_ND, (x_ND.shape[0],), self.weights(w_P), self.act)
+        if not keep_hidden:
+            return y_ND, None
+        return y_ND, [h1_NF] if h3_NF is None else [h1_NF, h3_NF]
+
+    def run_expert_backward(self, e: int, gy_ND, x_ND, w_P, hidden, scale_N, need_dx: bool):
+        """(dx_ND or None, weight gradients in layout order, d(scale)_N or None)."""
+        w = self.weights(w_P)
+        h1_NF, h3_NF = self.hidden(x_ND, w) if hidden is None else \
+            (hidden[0], hidden[1] if len(hidden) > 1 else None)
+        dx_ND, gw, ds_N = ffn_backward(gy_ND, x_ND, h1_NF, h3_NF, (x_ND.shape[0],), w,
+                                       self.act, scale_R=scale_N, need_dx=need_dx)
+        grads = [g[0] for g in (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
+                 if g is not None]
+        return dx_ND, grads, ds_N
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_index}, num_experts={self.num_experts}, "

@@ -134,3 +134,44 @@ def test_config_errors_name_the_argument():
                          (dict(compute_dtype="int8"), "compute_dtype")]:
         with pytest.raises(ValueError, match=word):
             OffloadConfig(**kwargs)
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(12, 16)
+        self.down = torch.nn.Linear(16, 12, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def test_module_experts_match_reference_and_train_like_resident():
+    torch.manual_seed(0)
+    moe = MoE(12, 4, 2, experts=[TwoLayer() for _ in range(4)])
+    ref = ReferenceMoE(copy.deepcopy(moe))
+    off = copy.deepcopy(moe)
+    engine = offload_moe(off, OffloadConfig(device_budget_experts=2, step_mode="deferred"))
+    assert [n for n, _ in off.named_parameters()] == ["router.weight"]
+    x = torch.randn(15, 12)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ref(xa), off(xb)
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(ya)
+    (ya * g).sum().backward(), (yb * g).sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(off.router.weight.grad, ref.moe.router.weight.grad,
+                               rtol=1e-5, atol=1e-6)
+    for e in range(4):
+        got = expert_grads(engine, 0, e)
+        for name, p in ref.moe.experts.experts[e].named_parameters():
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(off.experts.expert_forward(e, x),
+                                   ref.moe.experts.expert_forward(e, x))
+    engine.close()
+
+
+def test_heterogeneous_module_experts_are_refused():
+    experts = [TwoLayer(), torch.nn.Linear(12, 12)]
+    with pytest.raises(ValueError, match="same parameters"):
+        offload_moe(MoE(12, 2, 1, experts=experts), OffloadConfig())
