@@ -220,3 +220,22 @@ def test_frozen_parameters_and_input_without_grad_match_reference(moe_helpers, t
     moe_helpers.assert_scaled_close(y_fast, y_ref, moe_helpers.FP32_RTOL, "output")
     for a, b in zip(g_fast, g_ref):
         moe_helpers.assert_scaled_close(a, b, moe_helpers.FP32_RTOL, "gradient")
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+@pytest.mark.parametrize("glu,bias", [(False, False), (False, True), (True, False)])
+def test_backward_of_a_plain_sum_broadcast_gradient_matches_reference(moe_helpers, glu, bias,
+                                                                      autocast):
+    # y.sum() hands backward an expanded, stride-0 gradient (torch._grouped_mm's CPU backward
+    # raises on exactly that); every path must accept it.
+    moe = build(num_experts=4, top_k=2, glu=glu, bias=bias)
+    params = dict(moe.named_parameters())
+    grads = []
+    for layer in (moe, ReferenceMoE(moe)):
+        x = make_input().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and layer is moe):
+            y = layer(x)
+        grads.append(torch.autograd.grad(y.sum(), [x] + list(params.values())))
+    rtol = moe_helpers.BF16_RTOL if autocast else moe_helpers.FP32_RTOL
+    for name, a, b in zip(["input"] + list(params), *grads):
+        moe_helpers.assert_scaled_close(a, b, rtol, f"grad of {name}")
