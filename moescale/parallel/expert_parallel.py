@@ -230,3 +230,19 @@ def expert_parallel_moe(groups: ParallelGroups, d_model: int, num_experts: int,
     return MoE(config=cfg, experts=ExpertShard(local, num_experts, ids),
                dispatcher=ExpertParallelDispatcher(groups, num_experts), device=device,
                dtype=dtype)
+
+
+def expert_parallel_model(model: nn.Module, groups: ParallelGroups,
+                          dispatcher_factory=None) -> nn.Module:
+    """Replace every MoE of `model` (in place) by its expert-parallel shard; returns `model`.
+
+    Every rank must start from identical weights (same seed, or a loaded checkpoint): each
+    keeps the router and its slice of the experts. `dispatcher_factory(moe) -> dispatcher`
+    picks the dispatcher per layer (default: ExpertParallelDispatcher).
+    """
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, MoE) and not isinstance(child.experts, ExpertShard):
+                dispatcher = dispatcher_factory(child) if dispatcher_factory else None
+                setattr(module, name, shard_moe(child, groups, dispatcher))
+    return model

@@ -231,3 +231,51 @@ def check_tuner(rank: int, world: int, steps: int):
         y.sum().backward()
         _close("tuned output", y.detach(), static(x).detach(), dict(name=f"step {step}"))
     return tuned.dispatcher.history, tuned.dispatcher.tuner.samples
+
+
+def train_gpt(rank: int, world: int, steps: int, pipelined: bool):
+    """The default (tiny) GPT trained on W ranks with expert parallelism and on one process
+    with the full batch: the losses (ranks' mean) and clipped grad norms agree step by step."""
+    import copy
+
+    from moescale.models import gpt_config
+    from moescale.models.gpt import GPT
+    from moescale.parallel.expert_parallel import expert_parallel_model
+
+    groups = build_groups(ParallelConfig(backend="gloo", timeout_s=30))
+    torch.manual_seed(0)
+    single = GPT(gpt_config("tiny"))
+    factory = None
+    if pipelined:
+        def factory(moe):
+            return PipelinedExpertParallelDispatcher(groups, moe.num_experts, num_chunks=3,
+                                                     strategy="S4")
+    ep = expert_parallel_model(copy.deepcopy(single), groups, factory)
+    # SGD: Adam's first steps are sign-like, so fp32 rounding in near-zero gradient entries
+    # (1e-8 absolute, present between any two summation orders) would move weights by up to
+    # lr and flip routing decisions; the gradients themselves agree to fp32 rounding.
+    opts = [torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9, weight_decay=1e-4)
+            for m in (single, ep)]
+    gen = torch.Generator().manual_seed(7)
+    batch, seq = 2 * world, 32
+    losses = []
+    for _ in range(steps):
+        data = torch.randint(0, 256, (batch, seq + 1), generator=gen)
+        idx, tgt = data[:, :-1], data[:, 1:]
+        _, loss_single = single(idx, tgt)
+        opts[0].zero_grad()
+        loss_single.backward()
+        norm_single = torch.nn.utils.clip_grad_norm_(single.parameters(), 0.5)
+        opts[0].step()
+        mine = slice(rank * batch // world, (rank + 1) * batch // world)
+        _, loss_ep = ep(idx[mine], tgt[mine])
+        opts[1].zero_grad()
+        loss_ep.backward()
+        allreduce_gradients(ep, groups)
+        norm_ep = clip_grad_norm_(ep, 0.5, groups)
+        opts[1].step()
+        mean_loss = loss_ep.detach().clone()
+        torch.distributed.all_reduce(mean_loss)
+        losses.append((loss_single.item(), mean_loss.item() / world, norm_single.item(),
+                       norm_ep.item()))
+    return losses

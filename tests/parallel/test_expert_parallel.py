@@ -14,7 +14,7 @@ from moescale.parallel.groups import ParallelConfig, split_ranks
 from moescale.parallel.launch import run_local
 
 from ep_workers import (check_against_reference, check_primitives, check_tuner,
-                        die_or_dispatch)
+                        die_or_dispatch, train_gpt)
 
 pytestmark = pytest.mark.distributed
 
@@ -126,3 +126,13 @@ def test_online_tuner_same_choice_on_every_rank():
         if len(chosen) > 3:
             best = min((1, 2, 4), key=lambda c: (min(samples0[bucket][c]), c))
             assert set(chosen[3:]) == {best}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipelined,steps", [(False, 20), (True, 5)])
+def test_two_rank_training_matches_single_process(pipelined, steps):
+    results = run_local(train_gpt, 2, (steps, pipelined), timeout_s=30, deadline_s=110)
+    for rank_result in results:
+        for step, (single, ep, norm_single, norm_ep) in enumerate(rank_result.value):
+            assert abs(single - ep) <= 1e-5 * max(1.0, abs(single)), (step, single, ep)
+            assert abs(norm_single - norm_ep) <= 1e-4 * max(1.0, norm_single), (step,)
