@@ -43,6 +43,11 @@ POLICIES = ("keep", "recompute", "offload")
 PARAM_NAMES = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")
 
 
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for sums over a token's rows when computing in bf16/fp16."""
+    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+
+
 def _starts(counts: Sequence[int]) -> list[int]:
     out, acc = [], 0
     for n in counts:
@@ -61,9 +66,9 @@ class OffloadedExpertsFn(torch.autograd.Function):
         order = engine.forward_order(layer.layer_index, counts)
         starts = _starts(counts)
         policy = engine.config.activation_policy
-        if routed:
-            y = x.new_zeros(x.shape[0], layer.d_model)
-            scores_x = scores_R.to(x.dtype)
+        if routed:  # the combine accumulates in fp32 and rounds once
+            y = x.new_zeros(x.shape[0], layer.d_model, dtype=_acc_dtype(x))
+            scores_x = scores_R.to(y.dtype)
         else:
             y = x.new_empty(x.shape[0], layer.d_model)
         saved = {}
@@ -74,12 +79,13 @@ class OffloadedExpertsFn(torch.autograd.Function):
                 y_ND, hidden = layer.run_expert(e, x_ND, w_P, keep_hidden=policy != "recompute")
                 del w_P
                 if routed:
-                    y_ND.mul_(scores_x[s:s + n].unsqueeze(1))
-                    y.index_add_(0, token_idx_R[s:s + n], y_ND)
+                    y.index_add_(0, token_idx_R[s:s + n],
+                                 y_ND.to(y.dtype).mul_(scores_x[s:s + n].unsqueeze(1)))
                 else:
                     y[s:s + n] = y_ND
                 if hidden is not None:
                     saved[e] = hidden if policy == "keep" else engine.device.download(hidden)
+        y = y.to(x.dtype)
         ctx.layer, ctx.counts, ctx.order, ctx.saved = layer, counts, order, saved
         ctx.last_micro_batch = engine.last_micro_batch
         ctx.save_for_backward(x, scores_R, token_idx_R)
@@ -93,7 +99,9 @@ class OffloadedExpertsFn(torch.autograd.Function):
         policy = engine.config.activation_policy
         need_dx, need_ds = ctx.needs_input_grad[1], routed and ctx.needs_input_grad[2]
         gy = gy.contiguous()
-        dx = (torch.zeros_like(x) if routed else torch.empty_like(x)) if need_dx else None
+        dx = None
+        if need_dx:
+            dx = torch.zeros_like(x, dtype=_acc_dtype(x)) if routed else torch.empty_like(x)
         ds_R = torch.zeros_like(scores_R) if need_ds else None
         starts = _starts(counts)
         order = engine.backward_order(layer.layer_index, ctx.order)
@@ -117,7 +125,7 @@ class OffloadedExpertsFn(torch.autograd.Function):
                 del w_P, hidden
                 if need_dx:
                     if routed:
-                        dx.index_add_(0, rows_N, dx_ND)
+                        dx.index_add_(0, rows_N, dx_ND.to(dx.dtype))
                     else:
                         dx[s:s + n] = dx_ND
                 if need_ds:
@@ -125,6 +133,8 @@ class OffloadedExpertsFn(torch.autograd.Function):
                 engine.hand_gradient((layer.layer_index, e), grads, grad_res,
                                      last=ctx.last_micro_batch)
         ctx.saved = None
+        if dx is not None:
+            dx = dx.to(x.dtype)
         return None, dx, ds_R, None, None, None
 
 
