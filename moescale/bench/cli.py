@@ -1,0 +1,35 @@
+"""`moescale bench NAME [options]`: routes to one benchmark module's `main(argv) -> int`.
+
+The registry maps a benchmark name to its module and a one-line description; adding a
+benchmark is one entry here plus its module. This file runs nothing itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = {
+    "layer": ("moescale.bench.layer",
+              "one MoE layer, forward + backward, vs the GEMM floor, HF Mixtral, DeepSpeed-MoE"),
+    "quality": ("moescale.bench.quality",
+                "MoE GPT vs a dense GPT with the same active parameters, equal training time"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: moescale bench <benchmark> [options]", "", "benchmarks:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in BENCHMARKS.items()]
+    lines.append("\n`moescale bench <benchmark> --help` lists its options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        raise ValueError(f"benchmark {name!r} is unknown; choose one of {', '.join(BENCHMARKS)}")
+    module = importlib.import_module(BENCHMARKS[name][0])
+    return int(module.main(rest) or 0)
