@@ -1,0 +1,128 @@
+"""`moescale bench offload`: the step-time cost of offloading experts (host tier) vs resident.
+
+A stack of residual MoE layers (no attention: the experts dominate, the worst case for
+offloading) is trained with AdamW, one full step (forward, backward, optimizer) per timed
+repetition, for each implementation, interleaved (see measure.py):
+
+- `resident`: every expert a parameter, torch.optim.AdamW over all of them;
+- `host-b{N}-{mode}`: `offload_moe(tier="host", device_budget_experts=N, step_mode=mode)`,
+  the dense part on torch.optim.AdamW following the same hyper-parameters.
+
+It prints median step times, the ratio to resident and the device peak against its budget,
+and writes benchmarks/results/offload_<hardware>.json. Target (issue 3): host tier with a
+2-expert device budget <= 1.10x the resident step time (median, same run). On a CPU the
+"device" is simulated: uploads are memory copies on the copy thread, so this measures the
+machinery's overhead (copies, threads, per-expert walks), not PCIe.
+
+Deliberately not here: the disk tier beyond RAM (a separate benchmark; not done yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
+from moescale.layers.moe import MoE, collect_aux_loss
+from moescale.offload import OffloadConfig, offload_moe
+
+
+class MoEStack(nn.Module):
+    def __init__(self, layers, d_model, d_ff, experts, top_k):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
+        self.moes = nn.ModuleList(MoE(d_model, experts, top_k, d_ff=d_ff)
+                                  for _ in range(layers))
+
+    def forward(self, x):
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return x.square().mean() + collect_aux_loss(self)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moescale bench offload", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--d-ff", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--budgets", type=str, default="2,3", help="device budgets, in experts")
+    p.add_argument("--modes", type=str, default="eager,deferred")
+    p.add_argument("--out", type=str, default=None)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    torch.manual_seed(0)
+    base = MoEStack(args.layers, args.d_model, args.d_ff, args.experts, args.top_k)
+    x = torch.randn(args.tokens, args.d_model)
+    items, engines = [], {}
+
+    def make(name, model, opt, engine):
+        def step():
+            loss = model(x)
+            loss.backward()
+            if engine is not None:
+                engine.step()
+            opt.step()
+
+        def reset():
+            opt.zero_grad(set_to_none=True)
+            if engine is not None:
+                engine.synchronize()
+        items.append(Timed(name=name, step=step, reset=reset, runs=args.runs, warmup=1))
+
+    resident = copy.deepcopy(base)
+    make("resident", resident, torch.optim.AdamW(resident.parameters(), lr=1e-4), None)
+    for budget in [float(b) for b in args.budgets.split(",")]:
+        for mode in args.modes.split(","):
+            model = copy.deepcopy(base)
+            engine = offload_moe(model, OffloadConfig(device_budget_experts=budget,
+                                                      step_mode=mode))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            engine.follow(opt)
+            name = f"host-b{budget:g}-{mode}"
+            engines[name] = engine
+            make(name, model, opt, engine)
+    time_interleaved(items, torch.device("cpu"),
+                     progress=lambda line: print(line, flush=True))
+    ref = items[0].median_s
+    rows = []
+    print(f"\n{'implementation':<22} {'median ms':>10} {'x resident':>11} {'device peak/budget':>20}")
+    for it in items:
+        eng = engines.get(it.name)
+        peak = f"{eng.device.peak_bytes >> 20} / {eng.device.budget_bytes >> 20} MiB" \
+            if eng else "-"
+        print(f"{it.name:<22} {it.median_s * 1e3:10.1f} {it.median_s / ref:11.3f} {peak:>20}")
+        rows.append(dict(name=it.name, median_s=it.median_s, times_s=it.times_s,
+                         ratio=it.median_s / ref,
+                         device_peak_bytes=eng.device.peak_bytes if eng else None,
+                         device_budget_bytes=eng.device.budget_bytes if eng else None,
+                         uploads=eng.cache.num_uploads if eng else None))
+    targets = []
+    for r in rows:
+        if r["name"].startswith("host-b2-"):
+            ok = r["ratio"] <= 1.10
+            targets.append(dict(name=f"{r['name']} <= 1.10x resident", value=r["ratio"],
+                                passed=ok))
+            print(f"{'PASS' if ok else 'FAIL'}: {r['name']} = {r['ratio']:.3f}x resident "
+                  "(target <= 1.10x)")
+    for eng in engines.values():
+        eng.close()
+    tag = hardware_tag(torch.device("cpu"))
+    out = Path(args.out) if args.out else Path("benchmarks/results") / f"offload_{tag}.json"
+    write_json(out, dict(benchmark="offload", hardware=tag, config=vars(args),
+                         torch_threads=torch.get_num_threads(), results=rows, targets=targets,
+                         resident_median_s=ref,
+                         spread=dict(resident_stdev_s=statistics.pstdev(items[0].times_s))))
+    print(f"wrote {out}")
+    return 0
