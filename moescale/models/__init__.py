@@ -5,13 +5,14 @@ Hugging Face MoE import/export (`from_hf`, `to_hf`) works on transformers models
 imports transformers itself, so transformers stays an optional extra.
 """
 
-from moescale.models.checkpoint import (load_checkpoint, merge_expert_shards, read_checkpoint,
+from moescale.models.checkpoint import (consolidated_state_dict, load_checkpoint, merge_expert_shards, read_checkpoint,
                                         save_checkpoint, slice_experts)
 from moescale.models.gpt import GPT, GPTConfig, ParamCount, count_parameters
 from moescale.models.hf import HFMoEBlock, from_hf, to_hf
 from moescale.models.moefy import MoefyConfig, find_ffn_blocks, moefy
 from moescale.models.sizes import SIZE_NAMES, gpt_config
 
-__all__ = ["GPT", "GPTConfig", "HFMoEBlock", "MoefyConfig", "ParamCount", "SIZE_NAMES", "count_parameters",
+__all__ = ["GPT", "GPTConfig", "HFMoEBlock", "MoefyConfig", "ParamCount", "SIZE_NAMES", "consolidated_state_dict",
+           "count_parameters",
            "find_ffn_blocks", "from_hf", "gpt_config", "load_checkpoint", "merge_expert_shards", "moefy",
            "read_checkpoint", "save_checkpoint", "slice_experts", "to_hf"]

@@ -11,7 +11,13 @@ The format (version 1):
   `<moe>.experts.b2_ED`, with E the layer's GLOBAL expert count and row e the global expert e.
   Any other component that holds experts (expert-parallel shards, offloaded stores) presents
   them under these names when saving: `merge_expert_shards` assembles per-rank slices and
-  `slice_experts` cuts the rows a rank owns when loading. Dtypes are kept (fp32 masters stay
+  `slice_experts` cuts the rows a rank owns when loading. `ModuleExperts` keep their own
+  per-expert names (`<moe>.experts.experts.<e>.<param>`).
+- experts kept outside the module tree: `consolidated_state_dict(model)` asks every submodule
+  with a `consolidated_expert_state()` method (returning names relative to that submodule,
+  in the layout above) and, failing that, reads offloaded containers (`offload_moe`) through
+  their engine's public `expert_state(layer, e)` (fp32 masters). Loading goes into a model
+  before it is offloaded (build, `load_checkpoint`, then `offload_moe`). Dtypes are kept (fp32 masters stay
   fp32). Tensors that share storage (tied embeddings) are written once.
 - header metadata (safetensors' str -> str map): `format` = "moescale-consolidated",
   `version` = "1", `expert_keys` (JSON list of the keys whose dim 0 is the expert index),
@@ -47,6 +53,31 @@ def expert_keys(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> list[
     keys = model_or_state.state_dict().keys() if isinstance(model_or_state, nn.Module) \
         else model_or_state.keys()
     return [k for k in keys if k.endswith(EXPERT_SUFFIXES)]
+
+
+def _external_experts(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The experts a container keeps outside its parameters (names relative to it), or None."""
+    method = getattr(module, "consolidated_expert_state", None)
+    if callable(method):
+        return method()
+    engine, layer = getattr(module, "engine", None), getattr(module, "layer_index", None)
+    if layer is None or not callable(getattr(engine, "expert_state", None)):
+        return None
+    per_expert = [engine.expert_state(layer, e) for e in range(module.num_experts)]
+    if hasattr(module, "glu"):    # offloaded GroupedExperts: stack under the same names
+        return {name: torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
+    return {f"experts.{e}.{name}": t for e, p in enumerate(per_expert) for name, t in p.items()}
+
+
+def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with every expert present, in the consolidated layout."""
+    state = dict(model.state_dict())
+    for path, module in model.named_modules():
+        extra = _external_experts(module)
+        if extra:
+            prefix = f"{path}." if path else ""
+            state.update({prefix + name: t for name, t in extra.items()})
+    return state
 
 
 def _dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -91,7 +122,7 @@ def save_checkpoint(path: str | os.PathLike, model_or_state: nn.Module | Mapping
     """
     from safetensors.torch import save_file
 
-    state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) \
+    state = consolidated_state_dict(model_or_state) if isinstance(model_or_state, nn.Module) \
         else dict(model_or_state)
     stored, aliases = _dedupe(state)
     try:
@@ -143,6 +174,12 @@ def read_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
     return state, json.loads(header.get("user", "{}"))
 
 
+def _is_external(module: nn.Module) -> bool:
+    return callable(getattr(module, "consolidated_expert_state", None)) or (
+        getattr(module, "layer_index", None) is not None
+        and callable(getattr(getattr(module, "engine", None), "expert_state", None)))
+
+
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, *, strict: bool = True,
                     expert_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """Load a consolidated checkpoint into `model`; returns the user metadata.
@@ -150,6 +187,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, *, strict: bool =
     expert_ids: the global experts this model's expert tensors hold (a rank's shard under
     expert parallelism), in row order; None means all of them.
     """
+    if any(_is_external(m) for m in model.modules()):
+        raise ValueError("this model's experts live outside it (offloaded); load the checkpoint "
+                         "into the model before offload_moe(model), then offload it")
     state, user = read_checkpoint(path)
     if expert_ids is not None:
         state = slice_experts(state, expert_ids)

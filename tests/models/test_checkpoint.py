@@ -104,3 +104,27 @@ def test_overwrite_is_atomic_and_errors_are_clear(tmp_path):
         read_checkpoint(tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match="cover"):
         merge_expert_shards([model.state_dict()] * 2, [[0, 1], [1, 2]])
+
+
+def test_offloaded_experts_are_saved_from_the_store(tmp_path):
+    from moescale.layers.moe import MoE
+    from moescale.offload import OffloadConfig, offload_moe
+
+    torch.manual_seed(0)
+    model = GPT(micro(glu=True, activation="silu"))
+    module_moe = MoE(8, 3, 2, experts=[nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8))
+                                       for _ in range(3)])
+    model.extra = module_moe   # a ModuleExperts layer too (per-expert names)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = offload_moe(model, OffloadConfig(device_budget_experts=2))
+    try:
+        assert not any(k.endswith("w1_EDF") for k in model.state_dict())  # experts are gone
+        save_checkpoint(tmp_path / "c.safetensors", model)
+        with pytest.raises(ValueError, match="before offload_moe"):
+            load_checkpoint(tmp_path / "c.safetensors", model)
+    finally:
+        engine.close()
+    state, _ = read_checkpoint(tmp_path / "c.safetensors")
+    assert state.keys() == original.keys()
+    for k, v in original.items():
+        assert torch.equal(state[k], v), k
