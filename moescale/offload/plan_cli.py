@@ -1,0 +1,74 @@
+"""`moescale plan`: memory per tier, predicted step time and the pick of each offloading mode.
+
+    moescale plan --moe-layers 24 --d-model 1536 --d-ff 6144 --experts 64 --tokens 8192 \
+        --device-gb 40 --host-gb 512 --disk-gb 4096 [--rates a100|measure] [--max-experts]
+
+`--rates a100` (default) uses ES-MoE's machine (A100-40GB, PCIe 4, NVMe); `--rates measure`
+measures this machine first (GEMM, memory copy, host AdamW, disk). `--max-experts` also
+prints the largest expert count each mode holds within the budgets.
+
+Deliberately not here: running anything but the measurement probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, fmt_bytes,
+                                      fmt_seconds, largest_experts, measure_rates, plan)
+
+GB = 1 << 30
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moescale plan", description=__doc__.split("\n")[0])
+    p.add_argument("--moe-layers", type=int, default=24)
+    p.add_argument("--d-model", type=int, default=1536)
+    p.add_argument("--d-ff", type=int, default=6144)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=1, help="per optimizer step")
+    p.add_argument("--glu", action="store_true")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device-gb", type=float, default=40)
+    p.add_argument("--host-gb", type=float, default=512)
+    p.add_argument("--disk-gb", type=float, default=4096)
+    p.add_argument("--host-cache-gb", type=float, default=None)
+    p.add_argument("--step-mode", default="eager", choices=["eager", "deferred"])
+    p.add_argument("--rates", default="a100", choices=["a100", "measure"])
+    p.add_argument("--disk-dir", default=None, help="where --rates measure probes the disk")
+    p.add_argument("--max-experts", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    spec = ModelSpec(moe_layers=args.moe_layers, d_model=args.d_model, d_ff=args.d_ff,
+                     num_experts=args.experts, top_k=args.top_k, tokens=args.tokens,
+                     micro_batches=args.micro_batches, glu=args.glu, dtype=args.dtype)
+    budgets = Budgets(device_bytes=int(args.device_gb * GB), host_bytes=int(args.host_gb * GB),
+                      disk_bytes=int(args.disk_gb * GB),
+                      host_cache_bytes=None if args.host_cache_gb is None
+                      else int(args.host_cache_gb * GB))
+    rates = measure_rates(args.disk_dir) if args.rates == "measure" else A100_NODE
+    ests, pick = plan(spec, budgets, rates, step_mode=args.step_mode)
+    print(f"model: {spec.moe_layers} MoE layers, d_model {spec.d_model}, d_ff {spec.d_ff}, "
+          f"{spec.num_experts} experts, top-{spec.top_k}, {spec.tokens} tokens, {spec.dtype}")
+    print(f"budgets: device {fmt_bytes(budgets.device_bytes)}, host "
+          f"{fmt_bytes(budgets.host_bytes)}, disk {fmt_bytes(budgets.disk_bytes)}; rates: "
+          f"{args.rates}")
+    print(f"\n{'mode':<8} {'device':>11} {'host':>11} {'disk':>11} {'fits':>5} {'step':>11}")
+    for e in ests:
+        print(f"{e.mode:<8} {fmt_bytes(e.device_bytes):>11} {fmt_bytes(e.host_bytes):>11} "
+              f"{fmt_bytes(e.disk_bytes):>11} {'yes' if e.fits else 'no':>5} "
+              f"{fmt_seconds(e.step_s):>11}")
+    if args.max_experts:
+        print("\nlargest expert count per layer that fits:")
+        for mode in MODES:
+            print(f"  {mode:<8} {largest_experts(spec, budgets, rates, mode):>8}")
+    if pick is None:
+        print("\npick: none fits; raise a budget or shrink the model")
+        return 1
+    print(f"\npick: {pick}")
+    return 0

@@ -1,0 +1,54 @@
+"""The offloading planner: memory per tier, the largest expert count each mode holds in ES-MoE's
+setting (ordered device < pin <= host < disk), the pick, and the `moescale plan` command."""
+
+import pytest
+
+from moescale.offload.plan_cli import main
+from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, estimate,
+                                      largest_experts, plan)
+
+GB = 1 << 30
+ESMOE = dict(moe_layers=24, d_model=1536, d_ff=6144, top_k=2, tokens=8192)
+BUDGETS = Budgets(device_bytes=40 * GB, host_bytes=512 * GB, disk_bytes=4096 * GB)
+
+
+def test_memory_per_tier_is_what_the_modes_promise():
+    spec = ModelSpec(num_experts=16, **ESMOE)
+    by_mode = {e.mode: e for e in (estimate(spec, BUDGETS, A100_NODE, m) for m in MODES)}
+    state = 24 * 16 * spec.expert_params * 16
+    assert by_mode["device"].host_bytes == 0 and by_mode["device"].device_bytes > state
+    assert by_mode["host"].host_bytes == state and by_mode["host"].disk_bytes == 0
+    assert by_mode["disk"].disk_bytes == state and by_mode["disk"].host_bytes == 256 * GB
+    assert by_mode["pin"].device_bytes > by_mode["host"].device_bytes
+
+
+def test_largest_expert_counts_in_the_esmoe_setting():
+    spec = ModelSpec(num_experts=8, **ESMOE)
+    most = {m: largest_experts(spec, BUDGETS, A100_NODE, m) for m in MODES}
+    assert 1 <= most["device"] < 8 < most["pin"] <= most["host"] < most["disk"]
+    for mode, num in most.items():  # exact: num fits, num + 1 does not
+        fits = [estimate(ModelSpec(num_experts=n, **ESMOE), BUDGETS, A100_NODE, mode).fits
+                for n in (num, num + 1)]
+        assert fits == [True, False], mode
+
+
+def test_pick_prefers_the_device_when_it_fits_and_none_when_nothing_fits():
+    small = ModelSpec(moe_layers=2, d_model=256, d_ff=1024, num_experts=8, tokens=2048)
+    assert plan(small, BUDGETS, A100_NODE)[1] == "device"
+    tiny_budget = Budgets(device_bytes=1, host_bytes=1, disk_bytes=1)
+    assert plan(small, tiny_budget, A100_NODE)[1] is None
+
+
+def test_bad_spec_names_the_argument():
+    with pytest.raises(ValueError, match="d_ff"):
+        ModelSpec(moe_layers=1, d_model=8, d_ff=0, num_experts=2)
+    with pytest.raises(ValueError, match="dtype"):
+        ModelSpec(moe_layers=1, d_model=8, d_ff=8, num_experts=2, dtype="int4")
+
+
+def test_plan_command_prints_every_mode_and_a_pick(capsys):
+    assert main(["--experts", "32", "--max-experts"]) == 0
+    out = capsys.readouterr().out
+    for mode in MODES:
+        assert mode in out
+    assert "pick:" in out and "largest expert count" in out
