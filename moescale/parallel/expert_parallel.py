@@ -39,7 +39,7 @@ from torch import nn
 
 from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
-from moescale.layers.experts import GroupedExperts, ModuleExperts
+from moescale.layers.experts import GroupedExperts, ModuleExperts, compute_dtype
 from moescale.layers.moe import MoE, MoEConfig
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, exchange_counts
 from moescale.parallel.groups import ParallelGroups
@@ -162,6 +162,7 @@ class ExpertParallelDispatcher:
         send_WL, recv_WL = self.route_counts(plan, x_TD.device)
         send_splits = [sum(row) for row in send_WL]
         recv_splits = [sum(row) for row in recv_WL]
+        x_TD = x_TD.to(compute_dtype(x_TD))   # send rows in the compute precision
         x_RD = gather_rows(x_TD, plan)
         x_SD = all_to_all_rows(x_RD, send_splits, recv_splits, group, grad_scale=float(W))
         perm_S, local_counts = expert_major_order(recv_WL, x_TD.device)

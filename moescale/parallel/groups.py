@@ -31,13 +31,29 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """How the world is split. ep_size None means every rank is in one EP group."""
+    """How the world is split, and how the EP exchange runs.
+
+    ep_size:   ranks the experts are split over (None: the whole world).
+    backend:   "auto" (nccl with CUDA, else gloo), "gloo" or "nccl".
+    timeout_s: process-group timeout; a collective waiting longer raises.
+    chunks:    1 (plain exchange), a chunk count (pipelined), or "auto" (online tuner).
+    reuse:     pipelined memory reuse: "none", "S1".."S4", or "auto" (cost model).
+    memory_limit_bytes: device bytes the cost model may use per layer (reuse="auto").
+    """
 
     ep_size: int | None = None
     backend: str = "auto"
     timeout_s: float = 300.0
+    chunks: int | str = 1
+    reuse: str = "none"
+    memory_limit_bytes: float | None = None
 
     def __post_init__(self) -> None:
+        if self.chunks != "auto" and (not isinstance(self.chunks, int) or self.chunks < 1):
+            raise ValueError(f"chunks={self.chunks!r} must be a positive integer or 'auto'")
+        if self.reuse not in ("none", "S1", "S2", "S3", "S4", "auto"):
+            raise ValueError(f"reuse={self.reuse!r} is unknown; use none, S1, S2, S3, S4 or "
+                             "auto")
         if self.ep_size is not None and (not isinstance(self.ep_size, int) or self.ep_size < 1):
             raise ValueError(f"ep_size={self.ep_size!r} must be a positive integer (the number "
                              "of ranks the experts are split over), or None for the world size")

@@ -279,3 +279,67 @@ def train_gpt(rank: int, world: int, steps: int, pipelined: bool):
         losses.append((loss_single.item(), mean_loss.item() / world, norm_single.item(),
                        norm_ep.item()))
     return losses
+
+
+def check_ddp_and_builders(rank: int, world: int):
+    """DDP skipping the tagged experts; setup_expert_parallel; expert_parallel_moe;
+    groups_from; bf16 autocast through the exchange."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from moescale.parallel.expert_parallel import ExpertParallelDispatcher, expert_parallel_moe
+    from moescale.parallel.grad_sync import ddp_ignore_names, expert_parameters
+    from moescale.parallel.groups import groups_from
+    from moescale.parallel.setup import setup_expert_parallel
+
+    groups = build_groups(ParallelConfig(backend="gloo", timeout_s=20))
+    # DDP averages the replicated grads and leaves the experts alone
+    case = dict(name="ddp", E=2 * world, top_k=2, tokens=[7, 3, 5, 4][:world])
+    full = _full_moe(case)
+    xs, cs = _inputs(case, world)
+    y_ref, gx_ref, _ = _reference(case, full, xs, cs, world)
+    ep = shard_moe(full, groups)
+    names = ddp_ignore_names(ep)
+    assert names and all(".local." in n for n in names), names
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ep, names)
+    ddp = DistributedDataParallel(ep)
+    x = xs[rank].clone().requires_grad_(True)
+    y = ddp(x)
+    total = sum(t.shape[0] for t in xs)
+    (world * (y * cs[rank]).sum() / total + ep.last_aux_loss).backward()
+    _close("ddp output", y.detach(), y_ref[rank], case)
+    _close("ddp router grad", ep.router.weight.grad, full.router.weight.grad, case)
+    ids = ep.experts.expert_ids
+    _close("ddp expert grad", ep.experts.local.w1_EDF.grad,
+           full.experts.w1_EDF.grad[ids.start:ids.stop], case)
+
+    # one call for a whole model: pipelined dispatchers from the config
+    torch.manual_seed(5)
+    model = nn.Sequential(MoE(D, 2 * world, 2, d_ff=F), nn.Tanh(), MoE(D, 2 * world, 1, d_ff=F))
+    single = copy.deepcopy(model)
+    setup_expert_parallel(model, ParallelConfig(backend="gloo", timeout_s=20, chunks=2,
+                                                reuse="S2"))
+    assert type(model[0].dispatcher).__name__ == "PipelinedExpertParallelDispatcher"
+    assert len(expert_parameters(model)) == 4
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank))
+    _close("setup output", model(x).detach(), single(x).detach(), dict(name="setup"))
+
+    # built from scratch with the total number of experts
+    moe = expert_parallel_moe(groups, D, 2 * world, 2, d_ff=F, glu=True)
+    assert moe.experts.num_local_experts == 2 and moe.num_experts == 2 * world
+    assert all(getattr(p, "moescale_expert", False) for p in moe.experts.parameters())
+    moe(torch.randn(4, D)).sum().backward()
+
+    described = groups_from(None)
+    assert (described.ep_size, described.ep_rank, described.dp_size) == (world, rank, 1)
+    assert described.ep_ranks == list(range(world))
+
+    # bf16 autocast: rows travel in bf16, results match the single-process layer
+    ep2 = shard_moe(full, groups, ExpertParallelDispatcher(groups, full.num_experts))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ep = ep2(xs[rank]).float()
+        y_single = full(xs[rank]).float()
+    err = (y_ep - y_single).abs().max().item()
+    assert err <= 4e-2 * max(y_single.abs().max().item(), 1e-6), err
+    return True

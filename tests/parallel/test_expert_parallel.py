@@ -13,8 +13,8 @@ import pytest
 from moescale.parallel.groups import ParallelConfig, split_ranks
 from moescale.parallel.launch import run_local
 
-from ep_workers import (check_against_reference, check_primitives, check_tuner,
-                        die_or_dispatch, train_gpt)
+from ep_workers import (check_against_reference, check_ddp_and_builders, check_primitives,
+                        check_tuner, die_or_dispatch, train_gpt)
 
 pytestmark = pytest.mark.distributed
 
@@ -136,3 +136,8 @@ def test_two_rank_training_matches_single_process(pipelined, steps):
         for step, (single, ep, norm_single, norm_ep) in enumerate(rank_result.value):
             assert abs(single - ep) <= 1e-5 * max(1.0, abs(single)), (step, single, ep)
             assert abs(norm_single - norm_ep) <= 1e-4 * max(1.0, norm_single), (step,)
+
+
+@pytest.mark.timeout(60)
+def test_ddp_builders_and_autocast():
+    run_local(check_ddp_and_builders, 2, timeout_s=20, deadline_s=50)
