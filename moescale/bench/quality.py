@@ -9,11 +9,12 @@ for the same training-time budget and reports both validation losses:
          token touches the same number of FFN parameters (the router's D x E gate is the only
          difference in active parameters; both counts are reported).
 
-Both get the same data stream, seed, optimizer and schedule. Fairness on a shared machine: a
-short calibration measures each model's step time (steps interleaved, so load hits both
-alike); each is then given `seconds / step_time` steps (its own cosine schedule spans them) and
-the two are trained interleaved, one step of each in turn. Validation loss is measured at the end
-on the same fixed windows. Writes `benchmarks/results/quality-<hardware>.json`.
+Both get the same data stream, seed and AdamW settings. Equal time, also on a shared machine:
+the two are trained interleaved, one step of each in turn (so load from other processes hits
+both alike), and each stops once its own measured training time reaches the budget; the
+learning rate warms up over the first steps, then follows a cosine over the fraction of the
+time budget used (the step count is not known in advance). Validation loss is measured at the
+end on the same fixed windows. Writes `benchmarks/results/quality-<hardware>.json`.
 
 FastMoE and ES-MoE both report the MoE winning at equal compute; this measures whether we do,
 at this scale. This file only orchestrates `moescale.train`; it adds no training logic.
@@ -23,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -55,67 +56,64 @@ def _write_json(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _overrides(args, steps: int, run_dir: str, dense: bool, d_ff: int, top_k: int) -> dict:
-    values = {"model.size": args.size, "train.steps": str(steps),
+def _overrides(args, run_dir: str, dense: bool, d_ff: int, top_k: int) -> dict:
+    values = {"model.size": args.size, "train.steps": "1000000",
               "train.batch_size": str(args.batch_size), "train.seq_len": str(args.seq_len),
               "train.seed": str(args.seed), "train.eval_batches": str(args.eval_batches),
-              "train.progress": "false", "train.sample_tokens": "0",
-              "train.run_dir": run_dir, "optim.warmup_steps": str(min(30, steps // 10))}
+              "train.progress": "false", "train.sample_tokens": "0", "train.run_dir": run_dir}
     if dense:
         values.update({"model.moe_every": "0", "model.d_ff": str(top_k * d_ff)})
     return values
 
 
-def _trainers(args, steps: dict[str, int], root: str):
-    from moescale.models import gpt_config
-    from moescale.train.trainer import Trainer
-
-    base = gpt_config(args.size)
-    out = {}
-    for name in ("moe", "dense"):
-        cfg = load_config(None, _overrides(args, steps[name], os.path.join(root, name),
-                                           name == "dense", base.d_ff, base.top_k))
-        out[name] = Trainer(cfg, os.path.join(root, name), out=open(os.devnull, "w"))
-    return out
+def lr_by_time(step: int, used_s: float, budget_s: float, optim, warmup_steps: int) -> float:
+    """Linear warmup over steps, then cosine decay over the fraction of the time budget used."""
+    if step < warmup_steps:
+        return optim.lr * (step + 1) / warmup_steps
+    frac = min(1.0, used_s / budget_s)
+    return optim.min_lr + (optim.lr - optim.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 def run(args) -> dict:
+    from moescale.models import gpt_config
+    from moescale.train.trainer import Trainer, auto_threads
+
     threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if not args.threads:
+        args.threads = auto_threads()[0]
+    torch.set_num_threads(args.threads)
+    base = gpt_config(args.size)
     try:
         with tempfile.TemporaryDirectory(prefix="moescale-quality-") as root:
-            # calibration: interleaved steps on throwaway models
-            probe = _trainers(args, {"moe": 1000, "dense": 1000}, os.path.join(root, "probe"))
-            times = {name: [] for name in probe}
-            for i in range(args.calibration_steps):
-                for name, trainer in probe.items():
-                    t0 = time.perf_counter()
-                    trainer.train_step()
-                    if i > 0:   # the first step pays one-time costs
-                        times[name].append(time.perf_counter() - t0)
-            step_s = {name: statistics.median(ts) for name, ts in times.items()}
-            steps = {name: max(1, int(args.seconds / s)) for name, s in step_s.items()}
-            del probe
-            trainers = _trainers(args, steps, os.path.join(root, "run"))
+            trainers = {}
+            for name in ("moe", "dense"):
+                run_dir = os.path.join(root, name)
+                cfg = load_config(None, _overrides(args, run_dir, name == "dense", base.d_ff,
+                                                   base.top_k))
+                trainers[name] = Trainer(cfg, run_dir, out=open(os.devnull, "w"))
             used = {name: 0.0 for name in trainers}
             loss_tail = {name: [] for name in trainers}
-            while any(t.step < steps[n] for n, t in trainers.items()):
+            # one step of each in turn, so that load from other processes hits both alike;
+            # each stops once its own training time reaches the budget
+            while any(used[n] < args.seconds for n in trainers):
                 for name, trainer in trainers.items():
-                    if trainer.step < steps[name]:
-                        t0 = time.perf_counter()
-                        record = trainer.train_step()
-                        used[name] += time.perf_counter() - t0
-                        loss_tail[name] = (loss_tail[name] + [record["loss"]])[-20:]
+                    if used[name] >= args.seconds:
+                        continue
+                    lr = lr_by_time(trainer.step, used[name], args.seconds,
+                                    trainer.config.optim, args.warmup_steps)
+                    t0 = time.perf_counter()
+                    record = trainer.train_step(lr=lr)
+                    used[name] += time.perf_counter() - t0
+                    loss_tail[name] = (loss_tail[name] + [record["loss"]])[-20:]
             result = {}
             for name, trainer in trainers.items():
                 params = trainer.params
                 result[name] = {
                     "val_loss": trainer.evaluate(),
                     "train_loss_last20": sum(loss_tail[name]) / len(loss_tail[name]),
-                    "steps": steps[name], "train_time_s": used[name],
-                    "calibrated_step_s": step_s[name],
-                    "tokens": steps[name] * args.batch_size * args.seq_len,
+                    "steps": trainer.step, "train_time_s": used[name],
+                    "step_s": used[name] / trainer.step,
+                    "tokens": trainer.step * args.batch_size * args.seq_len,
                     "params_total": params.total, "params_active": params.active,
                     "model": {k: getattr(trainer.model.config, k) for k in
                               ("n_layers", "d_model", "d_ff", "num_experts", "top_k",
@@ -136,20 +134,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--eval-batches", type=int, default=32)
-    parser.add_argument("--calibration-steps", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: auto, the CPUs the load leaves free)")
     parser.add_argument("--out", default="benchmarks/results",
                         help="folder for quality-<hardware>.json")
     args = parser.parse_args(argv)
     if not args.seconds > 0:
         raise ValueError(f"--seconds={args.seconds} must be > 0")
-    if args.calibration_steps < 2:
-        raise ValueError(f"--calibration-steps={args.calibration_steps} must be >= 2")
+    if args.warmup_steps < 1:
+        raise ValueError(f"--warmup-steps={args.warmup_steps} must be >= 1")
     result = run(args)
     moe, dense = result["moe"], result["dense"]
     payload = {
         "benchmark": "quality", "hardware": _hardware_tag(), "torch": torch.__version__,
-        "python": platform.python_version(), "threads": args.threads or torch.get_num_threads(),
+        "python": platform.python_version(), "threads": args.threads,
         "seconds_per_model": args.seconds, "size": args.size, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "seed": args.seed, "moe": moe, "dense": dense,
         "moe_wins": moe["val_loss"] < dense["val_loss"],

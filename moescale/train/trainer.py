@@ -92,6 +92,22 @@ def _imbalance(counts_LE: list[list[int]]) -> float:
     return worst
 
 
+def auto_threads() -> tuple[int, str]:
+    """Threads for `train.threads = 0`: the CPUs left free by the current load average.
+
+    On a busy machine torch's default (one thread per core) is far slower than fewer threads:
+    every parallel region waits for all its threads to be scheduled. The choice is written
+    into the run's config.toml, so a resumed run uses the same count (and the same floats)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = min(cpus or 1, torch.get_num_threads())
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return cpus, f"auto: {cpus} CPUs"
+    threads = max(1, min(cpus, int(cpus - load + 0.5)))
+    return threads, f"auto: {cpus} CPUs, load average {load:.1f}"
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -107,6 +123,9 @@ class Trainer:
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         tc = config.train
+        self.threads_note = "set by train.threads"
+        if tc.threads == 0:
+            tc.threads, self.threads_note = auto_threads()
         self.device = resolve_device(tc.device)
         self.data = load_data(config.data, DEFAULT_CACHE_DIR)
         torch.manual_seed(tc.seed)
@@ -189,9 +208,11 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self) -> dict:
+    def train_step(self, lr: float | None = None) -> dict:
+        """One optimizer step at the scheduled learning rate (or `lr`, for callers that
+        schedule by time); returns its metrics record."""
         tc, oc = self.config.train, self.config.optim
-        lr = lr_at(self.step, oc, tc.steps)
+        lr = lr_at(self.step, oc, tc.steps) if lr is None else lr
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         ce_sum = aux_sum = 0.0
@@ -244,8 +265,7 @@ class Trainer:
         interrupted. Sets torch's thread count to train.threads for the call only."""
         tc = self.config.train
         threads = torch.get_num_threads()
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
+        torch.set_num_threads(tc.threads)
         try:
             return self._run(min(tc.steps, until_step or tc.steps))
         finally:
@@ -372,7 +392,8 @@ class Trainer:
             f"steps:        {s['step']}/{s['steps']}",
             f"train loss:   {fmt(s['train_loss'], '.4f')} (mean of the last 20 steps)",
             f"val loss:     {fmt(s['val_loss'], '.4f')}",
-            f"tokens/s:     {fmt(s['tokens_per_s'], ',.0f')}   wall time {s['wall_s']:.1f} s",
+            f"tokens/s:     {fmt(s['tokens_per_s'], ',.0f')}   wall time {s['wall_s']:.1f} s   "
+            f"threads {self.config.train.threads} ({self.threads_note})",
             f"peak memory:  {tiers}",
             f"offload plan: {s['offload_plan']} (every expert resident on {s['device']})",
             f"report:       {s['report']}",
