@@ -132,3 +132,18 @@ def test_user_errors():
         moefy(gpt2(), num_experts=4, layers=[5])
     with pytest.raises(ValueError, match="every"):
         moefy(gpt2(), every=0)
+
+
+def test_custom_activation_and_upcycle_noise():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=24, dropout=0.0, batch_first=True,
+                                       activation=torch.tanh)
+    x = torch.randn(2, 5, 16)
+    dense = layer.eval()(x).detach()
+    model = moefy(nn.Sequential(layer), num_experts=3, top_k=2)
+    moe = model[0].ffn
+    assert moe.experts.act.spec is torch.tanh        # not a kernel name: kept as a callable
+    torch.testing.assert_close(model(x), dense, atol=1e-5, rtol=1e-5)
+    noisy = moefy(gpt2(), num_experts=3, upcycle_noise=0.01).transformer.h[0].mlp.moe.experts
+    assert not torch.equal(noisy.w1_EDF[0], noisy.w1_EDF[1])
+    torch.testing.assert_close(noisy.w1_EDF[0], noisy.w1_EDF[1], atol=0.05, rtol=0.1)
