@@ -66,7 +66,6 @@ def _rank_body(rank: int, world: int, args: dict) -> list[dict]:
             layouts = chunk_layouts(send, recv, plan.token_idx_R, chunks)
             spec = PipelineSpec(layouts=layouts, groups=groups, strategy=strategy,
                                 num_rows=plan.num_rows, grad_scale=1.0 / groups.ep_size)
-            spec.stats["num_tokens"] = x.shape[0]
             w = moe.experts.local.weights()
             with SavedBytes(params + [xin]) as probe:
                 out = PipelinedAllToAll.apply(xin, spec, moe.experts.local.act, w.w1_EDF,

@@ -58,8 +58,9 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
     items = {"static": shard_moe(full, groups)}
     for chunks in CHUNKS:
         for strategy in STRATEGIES:
-            items[f"C{chunks}-{strategy}"] = shard_moe(full, groups, PipelinedExpertParallelDispatcher(
-                groups, args["experts"], num_chunks=chunks, strategy=strategy))
+            disp = PipelinedExpertParallelDispatcher(groups, args["experts"], num_chunks=chunks,
+                                                     strategy=strategy)
+            items[f"C{chunks}-{strategy}"] = shard_moe(full, groups, disp)
 
     def step(moe):
         xin = x.clone().requires_grad_(True)
@@ -91,7 +92,6 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
             layouts = chunk_layouts(send, recv, plan.token_idx_R, chunks)
             spec = PipelineSpec(layouts=layouts, groups=groups, strategy="none",
                                 num_rows=plan.num_rows, grad_scale=1.0 / world)
-            spec.stats["num_tokens"] = x.shape[0]
             w = local.weights()
             xin = x.clone().requires_grad_(True)
             PipelinedAllToAll.apply(xin, spec, local.act, w.w1_EDF, w.w2_EFD, w.w3_EDF,

@@ -101,8 +101,9 @@ class ParallelGroups:
 def split_ranks(world_size: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(ep_groups, dp_groups) as lists of global ranks; validates divisibility."""
     if ep_size > world_size or world_size % ep_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"ep_size={ep_size} must divide the world size {world_size}; use an "
-                         f"ep_size among {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+                         f"ep_size among {divisors}")
     num_ep = world_size // ep_size
     ep_groups = [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(num_ep)]
     dp_groups = [list(range(j, world_size, ep_size)) for j in range(ep_size)]

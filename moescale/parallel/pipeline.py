@@ -226,7 +226,7 @@ class PipelinedAllToAll(torch.autograd.Function):
         for pair in kept_h if h_mode == "offload" else ():
             host_bytes += sum(t.numel() * t.element_size() for t in pair if t is not None)
         spec.stats["offloaded_bytes"] = host_bytes
-        ctx.spec, ctx.act = spec, act
+        ctx.spec, ctx.act, ctx.num_tokens = spec, act, x_TD.shape[0]
         ctx.host_x = kept_x if di_mode == "offload" else None
         ctx.host_h = kept_h if h_mode == "offload" else None
         device_x = kept_x if di_mode == "keep" else []
@@ -295,10 +295,11 @@ class PipelinedAllToAll(torch.autograd.Function):
                                            "pipelined backward (input grads)")
                     if back is not None:
                         dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(),
-                                          spec, gy_RD)
+                                          ctx.num_tokens)
                     back = (k, ret)
             if back is not None:
-                dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), spec, gy_RD)
+                dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(),
+                                  ctx.num_tokens)
         spec.stats["backward_s"] = _clock(gy_RD) - start
         out_w = [None] * 5
         if need_dw:
@@ -307,9 +308,9 @@ class PipelinedAllToAll(torch.autograd.Function):
         return (dx_TD, None, None, *out_w)
 
 
-def _add_rows(dx_TD, token_idx, rows_RD, spec, like):
+def _add_rows(dx_TD, token_idx, rows_RD, num_tokens):
     if dx_TD is None:
-        dx_TD = like.new_zeros(spec.stats["num_tokens"], like.shape[1])
+        dx_TD = rows_RD.new_zeros(num_tokens, rows_RD.shape[1])
     return dx_TD.index_add_(0, token_idx, rows_RD)
 
 
@@ -390,8 +391,7 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         strategy = self.strategy_for(max_rows, chunks, local, x_TD)
         spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=strategy,
                             num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
-        spec.stats.update(num_tokens=x_TD.shape[0], bucket=bucket, chunks=chunks,
-                          strategy=strategy)
+        spec.stats.update(bucket=bucket, chunks=chunks, strategy=strategy)
         self.last_stats = spec.stats
         y_RD = PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF,
                                        w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
