@@ -10,6 +10,8 @@ families such as RoBERTa, Mistral, Qwen2 or Gemma are found too):
 - BERT layer (`intermediate.dense` + act, `output.dense` + dropout + residual + LayerNorm): only
   the FFN math is replaced: `intermediate` becomes the MoE and `output.dense` an Identity, so
   BertOutput still applies dropout, the residual and its LayerNorm to the MoE's output.
+  (With `chunk_size_feed_forward > 0` the MoE runs once per chunk and `last_aux_loss` holds
+  the last chunk's loss only.)
 - `torch.nn.TransformerEncoderLayer` (linear1 / activation / linear2): the layer becomes a
   `MoEEncoderLayer` that keeps its attention, norms and dropouts and runs the slow-path math
   with the MoE as the FFN. The dropout between activation and linear2 is not reproduced (the
