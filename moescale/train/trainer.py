@@ -29,6 +29,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,10 +39,11 @@ from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
 from moescale.train.checkpoint import (CheckpointError, list_checkpoints, load_latest,
                                        optimizer_from_flat, optimizer_to_flat, save_checkpoint)
-from moescale.train.config import RunConfig, parse_bytes, to_toml
+from moescale.train.config import RunConfig, parse_bytes, to_dict, to_toml
 from moescale.train.data import TokenBatches, load_data
-from moescale.train.metrics import MetricsLog
+from moescale.train.metrics import MetricsLog, read_metrics
 from moescale.train.optim import build_optimizer, lr_at, set_lr
+from moescale.train.report import write_report
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
 BYTES_PER_PARAM_DEVICE_ONLY = 16   # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
@@ -198,7 +200,7 @@ class Trainer:
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"step": self.step, "optimizer": opt_rest, "data_rng": self.batches.state(),
-                 "config": json.loads(json.dumps(_plain(self.config)))}
+                 "config": to_dict(self.config)}
         return save_checkpoint(self.ckpt_dir, self.step, tensors, state,
                                self.config.train.keep_last)
 
@@ -276,7 +278,7 @@ class Trainer:
 
         tc = self.config.train
         previous = signal.getsignal(signal.SIGINT)
-        in_main = _is_main_thread()
+        in_main = threading.current_thread() is threading.main_thread()
         if in_main:
             signal.signal(signal.SIGINT, self._on_sigint)
         self.model.train()
@@ -348,9 +350,6 @@ class Trainer:
         return " ".join(map(str, out))
 
     def _summarise(self, train_time, train_tokens, wall, last_ckpt) -> dict:
-        from moescale.train.metrics import read_metrics
-        from moescale.train.report import write_report
-
         records = read_metrics(self.run_dir / "metrics.jsonl")
         train = [r for r in records if r["kind"] == "train"]
         vals = [r for r in records if r["kind"] == "val"]
@@ -401,13 +400,3 @@ class Trainer:
         if s["sample"]:
             lines.append("sample:\n" + s["sample"])
         print("\n".join(lines), file=self.out)
-
-
-def _is_main_thread() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
-def _plain(config: RunConfig) -> dict:
-    from moescale.train.config import to_dict
-    return to_dict(config)
