@@ -79,9 +79,9 @@ class DeviceCache:
 
         def prepare():
             optimizer.wait_step(key)  # the per-expert fence
-            rec = store.acquire(key)
             version_box.append(store.versions[key])
-            return [rec.master_P], lambda: store.release(key)
+            master_P, done = store.read_master(key)
+            return [master_P], done
 
         self.num_uploads += 1
         transfer = self.device.upload_from(prepare, self.dtype)

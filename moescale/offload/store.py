@@ -230,6 +230,24 @@ class ExpertStore:
                 raise
         return rec
 
+    def read_master(self, key: Key) -> tuple[torch.Tensor, Callable[[], None]]:
+        """(master_P, done): the expert's fp32 master for an upload. On the disk tier an
+        uncached expert's master row alone is read from its file (a quarter of the record),
+        without a cache entry; call done() once the copy is made. The caller has waited for
+        the expert's step fence, so the file's master is current."""
+        if self.config.tier == "disk":
+            with self._lock:
+                cached = key in self._cache
+                if not cached:
+                    self._consume_upcoming(key)
+            if not cached:
+                numel = self.layouts[key[0]].numel
+                out_P = torch.empty(numel, dtype=torch.float32)
+                self._read(key, out_P, nbytes=4 * numel)
+                return out_P, lambda: None
+        rec = self.acquire(key)
+        return rec.master_P, lambda: self.release(key)
+
     def release(self, key: Key, dirty: bool = False) -> None:
         if self.config.tier == "host":
             return
@@ -342,9 +360,12 @@ class ExpertStore:
     def path(self, key: Key) -> str:
         return os.path.join(self._layer_dir(key[0]), f"expert{key[1]:05d}.bin")
 
-    def _read(self, key: Key, out_4P: torch.Tensor) -> None:
+    def _read(self, key: Key, out_4P: torch.Tensor, nbytes: int | None = None) -> None:
+        """Read the record (or its first nbytes: the master row) into out_4P."""
         path = self.path(key)
         view = memoryview(out_4P.numpy()).cast("B")
+        if nbytes is not None:
+            view = view[:nbytes]
         try:
             with open(path, "rb", buffering=0) as f:
                 got = f.readinto(view)
