@@ -7,12 +7,13 @@ oracle, and `collect_aux_loss`. Subpackages hold the rest (see README and docs/)
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE, MoEConfig, MoEStats, collect_aux_loss
 from moescale.layers.reference import ReferenceMoE
+from moescale.models import GPT, GPTConfig, gpt_config, moefy
 from moescale.routing.config import RouterConfig
 from moescale.routing.routers import Router, RouterOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GroupedExperts", "ModuleExperts", "MoE", "MoEConfig", "MoEStats", "ReferenceMoE",
+    "GPT", "GPTConfig", "gpt_config", "moefy", "GroupedExperts", "ModuleExperts", "MoE", "MoEConfig", "MoEStats", "ReferenceMoE",
     "Router", "RouterConfig", "RouterOutput", "collect_aux_loss", "__version__",
 ]

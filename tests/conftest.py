@@ -136,13 +136,13 @@ class Helpers:
     force_routing = staticmethod(force_routing)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def one_intra_op_thread():
-    """Run a module's tests with one intra-op thread, restoring the setting afterwards.
+    """Run every test module with one intra-op thread, restoring the setting afterwards.
 
     Tiny tensors gain nothing from a thread pool, and on a loaded 2-core machine OpenMP's
-    spinning workers make each op 10-100x slower. Opt in with
-    `pytestmark = pytest.mark.usefixtures("one_intra_op_thread")`.
+    spinning workers make each op 10-100x slower. Applies to the whole suite (autouse);
+    subprocesses set their own thread count.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
