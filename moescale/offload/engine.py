@@ -105,13 +105,21 @@ class OffloadEngine:
         self._grad_coef: float | None = None
 
     # ----------------------------------------------------------------- setup
-    def add(self, experts: GroupedExperts) -> OffloadedGroupedExperts:
+    def add(self, experts: GroupedExperts, expert_init=None) -> OffloadedGroupedExperts:
         params = [(n, getattr(experts, n)) for n in
                   ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED") if getattr(experts, n) is not None]
         layout = ExpertLayout([(n, tuple(p.shape[1:])) for n, p in params])
-        layer = self.store.add_layer(
-            layout, experts.num_experts,
-            lambda e: torch.cat([p.detach()[e].reshape(-1).float() for _, p in params]))
+        layer_index = len(self.store.layouts)
+        if expert_init is not None:
+            def init(e):
+                return expert_init(layer_index, e, layout)
+        elif any(p.is_meta for _, p in params):
+            raise ValueError("the experts are on the meta device: pass expert_init=fn(layer, "
+                             "expert, layout) -> flat fp32 tensor of layout.numel numbers")
+        else:
+            def init(e):
+                return torch.cat([p.detach()[e].reshape(-1).float() for _, p in params])
+        layer = self.store.add_layer(layout, experts.num_experts, init)
         module = OffloadedGroupedExperts(self, layer, experts.num_experts, experts.d_model,
                                          experts.d_ff, experts.act, experts.glu,
                                          experts.b1_EF is not None, layout)
@@ -255,8 +263,13 @@ class OffloadEngine:
         self.device.close()
 
 
-def offload_moe(model: nn.Module, config: OffloadConfig | None = None) -> OffloadEngine:
-    """Move the experts of every MoE layer of `model` into an ExpertStore (in place)."""
+def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
+                expert_init=None) -> OffloadEngine:
+    """Move the experts of every MoE layer of `model` into an ExpertStore (in place).
+
+    expert_init(layer, expert, layout) -> flat fp32 [layout.numel], if given, initialises the
+    store instead of the experts' own weights: models built on the meta device never hold
+    their experts in memory (grouped experts only)."""
     config = config or OffloadConfig()
     engine = OffloadEngine(config)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -265,7 +278,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None) -> Offloa
                          "moescale.MoE layers (or convert its FFNs first)")
     for moe in moes:
         if isinstance(moe.experts, GroupedExperts):
-            moe.experts = engine.add(moe.experts)
+            moe.experts = engine.add(moe.experts, expert_init)
         elif isinstance(moe.experts, ModuleExperts):
             moe.experts = engine.add_modules(moe.experts, moe.config.d_model)
         else:

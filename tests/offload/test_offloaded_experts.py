@@ -175,3 +175,21 @@ def test_heterogeneous_module_experts_are_refused():
     experts = [TwoLayer(), torch.nn.Linear(12, 12)]
     with pytest.raises(ValueError, match="same parameters"):
         offload_moe(MoE(12, 2, 1, experts=experts), OffloadConfig())
+
+
+def test_meta_device_model_with_expert_init():
+    torch.manual_seed(0)
+    real = MoE(12, 4, 2, d_ff=20)
+    meta = MoE(12, 4, 2, d_ff=20, device="meta")
+    with pytest.raises(ValueError, match="expert_init"):
+        offload_moe(copy.deepcopy(meta), OffloadConfig())
+
+    def init(layer, e, layout):
+        return torch.cat([getattr(real.experts, n)[e].reshape(-1) for n in layout.names])
+    engine = offload_moe(meta, OffloadConfig(device_budget_experts=2), expert_init=init)
+    meta.to_empty(device="cpu")
+    meta.router.weight.data.copy_(real.router.weight)
+    x = torch.randn(9, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(meta(x), real(x))
+    engine.close()
