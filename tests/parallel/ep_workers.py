@@ -336,10 +336,16 @@ def check_ddp_and_builders(rank: int, world: int):
     assert described.ep_ranks == list(range(world))
 
     # bf16 autocast: rows travel in bf16, results match the single-process layer
-    ep2 = shard_moe(full, groups, ExpertParallelDispatcher(groups, full.num_experts))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y_ep = ep2(xs[rank]).float()
-        y_single = full(xs[rank]).float()
-    err = (y_ep - y_single).abs().max().item()
-    assert err <= 4e-2 * max(y_single.abs().max().item(), 1e-6), err
+    for disp in (ExpertParallelDispatcher(groups, full.num_experts),
+                 PipelinedExpertParallelDispatcher(groups, full.num_experts, num_chunks=2,
+                                                   strategy="S3")):
+        ep2 = shard_moe(full, groups, disp)
+        x = xs[rank].clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_ep = ep2(x).float()
+            y_single = full(xs[rank]).float()
+        err = (y_ep - y_single).abs().max().item()
+        assert err <= 4e-2 * max(y_single.abs().max().item(), 1e-6), (type(disp), err)
+        y_ep.sum().backward()
+        assert x.grad.dtype == torch.float32 and ep2.experts.local.w1_EDF.grad is not None
     return True
