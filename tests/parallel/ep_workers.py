@@ -278,6 +278,18 @@ def train_gpt(rank: int, world: int, steps: int, pipelined: bool):
         torch.distributed.all_reduce(mean_loss)
         losses.append((loss_single.item(), mean_loss.item() / world, norm_single.item(),
                        norm_ep.item()))
+    # the gathered EP weights are the single-process weights; and they load back
+    from moescale.parallel.state import full_state_dict, load_full_state_dict
+
+    gathered, want = full_state_dict(ep, groups), single.state_dict()
+    assert gathered.keys() == want.keys(), set(gathered) ^ set(want)
+    for key, value in want.items():
+        _close(f"state {key}", gathered[key], value, dict(name="train"))
+    fresh = expert_parallel_model(copy.deepcopy(GPT(gpt_config("tiny"))), groups, factory)
+    load_full_state_dict(fresh, want, groups)
+    idx = torch.randint(0, 256, (1, 16), generator=gen)
+    _close("reloaded logits", fresh(idx)[0].detach(), single(idx)[0].detach(),
+           dict(name="train"))
     return losses
 
 
@@ -330,6 +342,20 @@ def check_ddp_and_builders(rank: int, world: int):
     assert moe.experts.num_local_experts == 2 and moe.num_experts == 2 * world
     assert all(getattr(p, "moescale_expert", False) for p in moe.experts.parameters())
     moe(torch.randn(4, D)).sum().backward()
+
+    from moescale.parallel.state import full_state_dict, load_full_state_dict
+
+    mods = _full_moe(dict(E=2 * world, top_k=2, module_experts=True))
+    shard = shard_moe(mods, groups)
+    gathered = full_state_dict(shard, groups)
+    assert gathered.keys() == mods.state_dict().keys()
+    assert all(torch.equal(gathered[k], v) for k, v in mods.state_dict().items())
+    with torch.no_grad():
+        for p in shard.parameters():
+            p.add_(1.0)
+    load_full_state_dict(shard, mods.state_dict(), groups)
+    assert all(torch.equal(full_state_dict(shard, groups)[k], v)
+               for k, v in mods.state_dict().items())
 
     described = groups_from(None)
     assert (described.ep_size, described.ep_rank, described.dp_size) == (world, rank, 1)
