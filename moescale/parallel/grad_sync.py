@@ -79,6 +79,8 @@ def global_mean_weight(num_local_tokens: int, groups: ParallelGroups,
                        device=None) -> torch.Tensor:
     """Factor w_r so that the ranks' mean of `w_r * (mean loss over local tokens)` is the mean
     over all tokens of all ranks: w_r = world_size * n_r / N. One all-reduce."""
+    if device is None and dist.get_backend(groups.world_group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.tensor([float(num_local_tokens)], device=device)
     with collective_errors("token-count all-reduce", groups.world_group):
         dist.all_reduce(total, group=groups.world_group)

@@ -54,6 +54,8 @@ def _child(fn, rank, world_size, port, backend, timeout_s, args, results, t0,
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     try:
         if init_group:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
