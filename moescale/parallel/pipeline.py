@@ -135,6 +135,11 @@ class PipelineSpec:
     num_rows: int                      # R: rows of the plan on this rank
     grad_scale: float                  # multiplies expert weight gradients
     stats: dict = field(default_factory=dict)   # filled in: buffer bytes, offloaded bytes
+    trace: list | None = None          # if a list: (event, chunk) in issue order (for tests)
+
+    def note(self, event: str, chunk: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, chunk))
 
 
 def _offload(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -180,6 +185,7 @@ class _Dispatcher:
                                                   for s in self.slots)
 
     def start(self, k: int, what: str):
+        self.spec.note(what, k)
         lay = self.spec.layouts[k]
         out = None if self.slots is None else self.slots[k % len(self.slots)][:lay.num_recv]
         return start_all_to_all(self.x_TD.index_select(0, lay.token_idx), lay.send_splits,
@@ -205,7 +211,9 @@ class PipelinedAllToAll(torch.autograd.Function):
                 if k + 1 < num_chunks:
                     pending = disp.start(k + 1, "pipelined dispatch")
                 x_loc = _reorder(x_recv, lay.perm)
+                spec.note("experts forward", k)
                 y_loc, h1, h3 = ffn_forward(x_loc, lay.local_counts, w, act)
+                spec.note("pipelined combine", k)
                 ret = start_all_to_all(_reorder(y_loc, lay.inv_perm), lay.recv_splits,
                                        lay.send_splits, combine_group, "pipelined combine")
                 if back is not None:
@@ -253,6 +261,7 @@ class PipelinedAllToAll(torch.autograd.Function):
         start = _clock(gy_RD)
         with torch.autocast(device.type, enabled=False):
             def send_grad(k):
+                spec.note("output grads", k)
                 lay = lays[k]
                 return start_all_to_all(gy_RD.index_select(0, lay.row_idx), lay.send_splits,
                                         lay.recv_splits, groups.ep_combine_group,
@@ -282,6 +291,7 @@ class PipelinedAllToAll(torch.autograd.Function):
                     h1, h3 = (_reload(t, device) for t in ctx.host_h[k])
                 else:
                     h1, h3 = _hidden(x_loc, lay.local_counts, w)
+                spec.note("experts backward", k)
                 dx_loc, gw, _ = ffn_backward(g_loc, x_loc, h1, h3, lay.local_counts, w, act,
                                              need_dx=need_dx, need_dw=need_dw)
                 del g_loc, x_loc, h1, h3
@@ -290,6 +300,7 @@ class PipelinedAllToAll(torch.autograd.Function):
                     grads = list(parts) if grads is None else \
                         [None if a is None else a.add_(b) for a, b in zip(grads, parts)]
                 if need_dx:
+                    spec.note("input grads", k)
                     ret = start_all_to_all(_reorder(dx_loc, lay.inv_perm), lay.recv_splits,
                                            lay.send_splits, groups.ep_group,
                                            "pipelined backward (input grads)")

@@ -210,7 +210,45 @@ def check_primitives(rank: int, world: int):
         moe(torch.randn(3, D))
     except ValueError as exc:
         errors.append(str(exc))
+    _check_schedule(rank, groups)
     return errors
+
+
+def _check_schedule(rank, groups, chunks=4):
+    """The pipeline issues chunk k+1's exchange before chunk k's experts run (both ways),
+    one exchange per chunk and direction, and the chunks cover the rows without padding."""
+    from moescale.dispatch.plan import build_plan
+    from moescale.parallel.pipeline import PipelinedAllToAll, PipelineSpec, chunk_layouts
+
+    world = groups.ep_size
+    case = dict(E=2 * world, top_k=2)
+    moe = shard_moe(_full_moe(case), groups, PipelinedExpertParallelDispatcher(groups, 2 * world))
+    x = torch.randn(9 + rank, D, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        route = moe.router(x)
+        plan = build_plan(route.scores_TK, route.expert_ids_TK, 2 * world)
+    send, recv, _ = moe.dispatcher._exchange(plan, x.device)
+    layouts = chunk_layouts(send, recv, plan.token_idx_R, chunks)
+    assert sum(sum(lay.send_splits) for lay in layouts) == plan.num_rows
+    assert sum(lay.num_recv for lay in layouts) == sum(map(sum, recv))
+    assert sorted(torch.cat([lay.row_idx for lay in layouts]).tolist()) == \
+        list(range(plan.num_rows))
+    spec = PipelineSpec(layouts=layouts, groups=groups, strategy="S4", num_rows=plan.num_rows,
+                        grad_scale=1.0 / world, trace=[])
+    w = moe.experts.local.weights()
+    xin = x.clone().requires_grad_(True)
+    PipelinedAllToAll.apply(xin, spec, moe.experts.local.act, w.w1_EDF, w.w2_EFD, w.w3_EDF,
+                            w.b1_EF, w.b2_ED).sum().backward()
+    at = {event: i for i, event in enumerate(spec.trace)}
+    for event in ("pipelined dispatch", "pipelined combine", "output grads",
+                  "pipelined backward (re-dispatch)", "input grads"):
+        assert sum(e == event for e, _ in spec.trace) == chunks, (event, spec.trace)
+    for k in range(chunks - 1):
+        assert at["pipelined dispatch", k + 1] < at["experts forward", k]
+        assert at["pipelined combine", k] < at["experts forward", k + 1]
+        assert at["output grads", k + 1] < at["experts backward", k]
+        assert at["pipelined backward (re-dispatch)", k + 1] < at["experts backward", k]
+        assert at["experts backward", k] < at["input grads", k] < at["experts backward", k + 1]
 
 
 def check_tuner(rank: int, world: int, steps: int):
