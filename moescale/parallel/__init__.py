@@ -1,6 +1,36 @@
 """torch.distributed for MoE: process groups, the autograd all-to-all, static expert parallelism,
-the pipelined all-to-all, gradient synchronization, and a local multi-process launcher.
+the pipelined all-to-all (reuse strategies, cost model, tuner), gradient synchronization,
+portable state dicts, and a local multi-process launcher. See docs/expert_parallel.md.
 
 Importing this package imports torch.distributed; `moescale.layers` and `moescale.routing`
 never do.
 """
+
+from moescale.parallel.all_to_all import (all_reduce_sum, all_to_all_rows,
+                                          all_to_all_rows_async, exchange_counts,
+                                          start_all_to_all)
+from moescale.parallel.cost_model import LayerShape, Rates, choose_strategy, measure_rates
+from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, ExpertShard,
+                                               expert_parallel_model, expert_parallel_moe,
+                                               shard_moe)
+from moescale.parallel.grad_sync import (allreduce_gradients, clip_grad_norm_,
+                                         ddp_ignore_names, expert_parameters,
+                                         global_mean_weight)
+from moescale.parallel.groups import (ParallelConfig, ParallelGroups, build_groups,
+                                      groups_from, init_distributed)
+from moescale.parallel.launch import run_local
+from moescale.parallel.pipeline import PipelinedAllToAll, PipelinedExpertParallelDispatcher
+from moescale.parallel.setup import setup_expert_parallel
+from moescale.parallel.state import full_state_dict, load_full_state_dict
+from moescale.parallel.tuner import ChunkTuner, TunerConfig
+
+__all__ = [
+    "ChunkTuner", "ExpertParallelDispatcher", "ExpertShard", "LayerShape", "ParallelConfig",
+    "ParallelGroups", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher", "Rates",
+    "TunerConfig", "all_reduce_sum", "all_to_all_rows", "all_to_all_rows_async",
+    "allreduce_gradients", "build_groups", "choose_strategy", "clip_grad_norm_",
+    "ddp_ignore_names", "exchange_counts", "expert_parallel_model", "expert_parallel_moe",
+    "expert_parameters", "full_state_dict", "global_mean_weight", "groups_from",
+    "init_distributed", "load_full_state_dict", "measure_rates", "run_local",
+    "setup_expert_parallel", "shard_moe", "start_all_to_all",
+]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,13 @@ import torch.distributed as dist
 from moescale.parallel.all_to_all import collective_errors, start_all_to_all
 
 STRATEGY_NAMES = ("none", "S1", "S2", "S3", "S4")
-STRATEGIES = {            # (dispatched input, hidden)
-    "none": ("keep", "keep"), "S1": ("offload", "offload"),
-          "S2": ("offload", "recompute"), "S3": ("recomm", "offload"),
-          "S4": ("recomm", "recompute")}
+STRATEGIES = MappingProxyType({   # read-only: (dispatched input, hidden)
+    "none": ("keep", "keep"),
+    "S1": ("offload", "offload"),
+    "S2": ("offload", "recompute"),
+    "S3": ("recomm", "offload"),
+    "S4": ("recomm", "recompute"),
+})
 
 
 @dataclass(kw_only=True)
