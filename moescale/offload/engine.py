@@ -157,10 +157,12 @@ class OffloadEngine:
                                  ema_decay=cfg.ema_decay)
 
     # ----------------------------------------------------------------- schedule
-    def forward_order(self, layer: int, counts) -> list[int]:
+    def forward_order(self, layer: int, counts, traced: bool) -> list[int]:
+        """The forward's expert order (experts with rows, pinned first); a traced forward
+        (one that will have a backward) is remembered for the backward's schedule."""
         order = [e for e, n in enumerate(counts) if n]
         order.sort(key=lambda e: not self.cache.is_resident((layer, e)))  # pinned first
-        if torch.is_grad_enabled():
+        if traced:
             self._trace.append((layer, order))
         self.cache.observe(layer, counts)
         if self.store.config.tier == "disk":
@@ -169,7 +171,7 @@ class OffloadEngine:
             self.store.prefetch(upcoming)
         return order
 
-    def backward_order(self, layer: int, forward_order: list[int]) -> list[int]:
+    def backward_order(self, layer: int, forward_order: list[int], last: bool) -> list[int]:
         for i in range(len(self._trace) - 1, -1, -1):
             if self._trace[i][0] == layer:
                 del self._trace[i]
@@ -177,7 +179,10 @@ class OffloadEngine:
         pinned = [e for e in forward_order if self.cache.is_resident((layer, e))]
         order = pinned + [e for e in reversed(forward_order) if e not in pinned]
         if self.store.config.tier == "disk":
-            upcoming = [(layer, e) for e in order for _ in range(2)] + self._backward_keys()
+            # each expert: its upload, its gradient accumulation (and its eager step)
+            uses = 3 if last and self.config.step_mode == "eager" else 2
+            upcoming = [(layer, e) for e in order for _ in range(uses)] + \
+                self._backward_keys()
             self.store.set_upcoming(upcoming)
             self.store.prefetch(upcoming)
         return order

@@ -60,10 +60,9 @@ class OffloadedExpertsFn(torch.autograd.Function):
     """y = experts(x) with weights streamed from the store; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, anchor, x, scores_R, token_idx_R, layer: "OffloadedGroupedExperts",
-                counts: tuple):
+    def forward(ctx, anchor, x, scores_R, token_idx_R, layer: "OffloadedExpertsBase",
+                counts: tuple, order: list):
         engine, routed = layer.engine, token_idx_R is not None
-        order = engine.forward_order(layer.layer_index, counts)
         starts = _starts(counts)
         policy = engine.config.activation_policy
         if routed:  # the combine accumulates in fp32 and rounds once
@@ -104,7 +103,7 @@ class OffloadedExpertsFn(torch.autograd.Function):
             dx = torch.zeros_like(x, dtype=_acc_dtype(x)) if routed else torch.empty_like(x)
         ds_R = torch.zeros_like(scores_R) if need_ds else None
         starts = _starts(counts)
-        order = engine.backward_order(layer.layer_index, ctx.order)
+        order = engine.backward_order(layer.layer_index, ctx.order, ctx.last_micro_batch)
         grad_bytes = layer.layout.numel * x.element_size()
         with torch.autocast(x.device.type, enabled=False):
             for e, w_P in engine.cache.walk(layer.layer_index, order, headroom=grad_bytes):
@@ -135,7 +134,7 @@ class OffloadedExpertsFn(torch.autograd.Function):
         ctx.saved = None
         if dx is not None:
             dx = dx.to(x.dtype)
-        return None, dx, ds_R, None, None, None
+        return None, dx, ds_R, None, None, None, None
 
 
 class OffloadedExpertsBase(nn.Module):
@@ -161,13 +160,20 @@ class OffloadedExpertsBase(nn.Module):
     def _anchor(self):
         return self.anchor if torch.is_grad_enabled() else self.anchor.detach()
 
+    def _run(self, x, scores_R, token_idx_R, counts) -> torch.Tensor:
+        counts = tuple(counts)
+        # the schedule is decided here, where grad mode is the caller's (it is off inside
+        # Function.forward): only a forward that will have a backward is traced
+        order = self.engine.forward_order(self.layer_index, counts,
+                                          traced=torch.is_grad_enabled())
+        return OffloadedExpertsFn.apply(self._anchor(), self._input(x), scores_R, token_idx_R,
+                                        self, counts, order)
+
     def forward_routed(self, x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        return OffloadedExpertsFn.apply(self._anchor(), self._input(x_TD), plan.scores_R,
-                                        plan.token_idx_R, self, tuple(plan.counts))
+        return self._run(x_TD, plan.scores_R, plan.token_idx_R, plan.counts)
 
     def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        return OffloadedExpertsFn.apply(self._anchor(), self._input(x_RD), None, None, self,
-                                        tuple(counts))
+        return self._run(x_RD, None, None, counts)
 
     def master(self, e: int) -> torch.Tensor:
         """A copy of expert e's flat fp32 master."""
