@@ -259,16 +259,20 @@ def check_tuner(rank: int, world: int, steps: int):
     case = dict(E=2 * world, top_k=2)
     full = _full_moe(case)
     tuned = shard_moe(full, groups, PipelinedExpertParallelDispatcher(
-        groups, case["E"], num_chunks="auto", strategy="S2",
+        groups, case["E"], num_chunks="auto", strategy="auto", memory_limit_bytes=600,
         tuner=TunerConfig(candidates=(1, 2, 4), trials=1)))
     static = shard_moe(full, groups)
     gen = torch.Generator().manual_seed(rank)
+    strategies = []
     for step in range(steps):
         x = torch.randn(5 + 3 * rank + step % 2, D, generator=gen)
         y = tuned(x.requires_grad_(True))
         y.sum().backward()
         _close("tuned output", y.detach(), static(x).detach(), dict(name=f"step {step}"))
-    return tuned.dispatcher.history, tuned.dispatcher.tuner.samples
+        strategies.append(tuned.dispatcher.last_stats["strategy"])
+    rates = tuned.dispatcher.rates
+    assert rates is not None and rates.gemm_flops > 0 and rates.a2a_bytes_per_s > 0
+    return tuned.dispatcher.history, tuned.dispatcher.tuner.samples, strategies
 
 
 def train_gpt(rank: int, world: int, steps: int, pipelined: bool):

@@ -118,8 +118,9 @@ def test_primitives_and_torchrun_environment():
 @pytest.mark.timeout(60)
 def test_online_tuner_same_choice_on_every_rank():
     results = run_local(check_tuner, 2, (8,), timeout_s=20, deadline_s=50)
-    (hist0, samples0), (hist1, samples1) = results[0].value, results[1].value
-    assert hist0 == hist1 and samples0 == samples1
+    (hist0, samples0, strat0), (hist1, samples1, strat1) = results[0].value, results[1].value
+    assert hist0 == hist1 and samples0 == samples1 and strat0 == strat1
+    assert "none" not in strat0      # the cost model kept the layer under the memory limit
     for bucket in {b for b, _ in hist0}:
         chosen = [c for b, c in hist0 if b == bucket]
         assert chosen[:3] == [1, 2, 4][:len(chosen)]   # explores, 1 included, then exploits
