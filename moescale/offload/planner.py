@@ -105,6 +105,8 @@ class Rates:
     device_adam_params_per_s: float   # AdamW on the device (device mode)
     disk_read_bytes_per_s: float
     disk_write_bytes_per_s: float
+    overlap: bool = True   # False: copies and host AdamW share the compute cores (a CPU
+                           # "device"): the step is the sum of the parts, not their max
 
 
 # ES-MoE's machines: A100-40GB (bf16 ~ 150 TFLOP/s achieved), PCIe 4 x16 (~20 GB/s), a fast
@@ -173,7 +175,9 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
             overlapped.append(parts["disk_s"])
         else:
             host, disk = host_state, 0
-        if step_mode == "eager":
+        if not r.overlap:
+            step = sum(overlapped) + adam
+        elif step_mode == "eager":
             overlapped.append(adam)
             step = max(overlapped)
         else:
@@ -252,7 +256,8 @@ def measure_rates(disk_dir: str | None = None, size_mb: int = 64) -> Rates:
         read_bw = len(data) / (time.perf_counter() - start)
     return Rates(flops_per_s=flops, h2d_bytes_per_s=copy_bw, d2h_bytes_per_s=copy_bw,
                  adam_params_per_s=adam, device_adam_params_per_s=adam,
-                 disk_read_bytes_per_s=read_bw, disk_write_bytes_per_s=write_bw)
+                 disk_read_bytes_per_s=read_bw, disk_write_bytes_per_s=write_bw,
+                 overlap=torch.cuda.is_available())
 
 
 def fmt_bytes(n: float) -> str:
