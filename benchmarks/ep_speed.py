@@ -4,15 +4,15 @@ tuner's choice against the brute-force best, and the overlap efficiency.
 For each world size (real processes on this machine), every rank times one MoE layer
 forward + backward for every chunk count in {1, 2, 4, 8} and strategy (none, S1-S4), plus the
 static (unpipelined) dispatcher, round-robin so that background load hits all alike; each
-configuration's time is the median (and the minimum) over repetitions, maximized over ranks.
-Then (minima, the estimate least hurt by other processes' load, which the tuner also uses):
+configuration's time is the median (the minimum is printed too) over repetitions, maximized
+over ranks. Then, from the medians (the tuner's estimator too):
 
   T_comp        the local experts' forward + backward on this rank's received rows, no exchange
   T_comm        the four exchanges of one step (dispatch, combine and their backward) alone
   T_pipe(C)     PipelinedAllToAll alone (strategy none), forward + backward, C chunks
   overlap(C)  = (T_comm + T_comp - T_pipe(C)) / min(T_comm, T_comp)   (1: comm fully hidden)
 
-and the tuner (num_chunks="auto", candidates 1/2/4/8, 2 trials each) runs until converged; its
+and the tuner (num_chunks="auto", candidates 1/2/4/8, 3 trials each) runs until converged; its
 pick is compared with the fastest chunk count of the sweep (target: within 5%).
 
     .venv/bin/python benchmarks/ep_speed.py [--worlds 2 4] [--tokens 512] [--d-model 128]
@@ -125,8 +125,8 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
     # the online tuner, from scratch
     auto = shard_moe(full, groups, PipelinedExpertParallelDispatcher(
         groups, args["experts"], num_chunks="auto",
-        tuner=TunerConfig(candidates=CHUNKS, trials=2)))
-    for _ in range(len(CHUNKS) * 2 + 2):
+        tuner=TunerConfig(candidates=CHUNKS, trials=3)))
+    for _ in range(len(CHUNKS) * 3 + 2):
         step(auto)
     tuner = auto.dispatcher.tuner
     bucket = auto.dispatcher.history[-1][0]
@@ -164,13 +164,13 @@ def main(argv: list[str]) -> int:
         for chunks in CHUNKS:
             print(f"{chunks:>6} " + " ".join(f"{1e3 * low[f'C{chunks}-{s}']:>8.1f}"
                                             for s in STRATEGIES))
-        t_comp, t_comm = low["T_comp"], low["T_comm"]
-        overlap = {c: (t_comm + t_comp - low[f"T_pipe C{c}"]) / min(t_comm, t_comp)
+        t_comp, t_comm = res["T_comp"], res["T_comm"]
+        overlap = {c: (t_comm + t_comp - res[f"T_pipe C{c}"]) / min(t_comm, t_comp)
                    for c in CHUNKS}
         print(f"T_comp {1e3 * t_comp:.1f} ms, T_comm {1e3 * t_comm:.1f} ms; "
-              + ", ".join(f"T_pipe(C={c}) {1e3 * low[f'T_pipe C{c}']:.1f} ms overlap "
+              + ", ".join(f"T_pipe(C={c}) {1e3 * res[f'T_pipe C{c}']:.1f} ms overlap "
                           f"{overlap[c]:.2f}" for c in CHUNKS))
-        sweep = {c: low[f"C{c}-none"] for c in CHUNKS}
+        sweep = {c: res[f"C{c}-none"] for c in CHUNKS}
         best = min(sweep, key=sweep.get)
         choice = res["tuner"]["choice"]
         ratio = sweep[choice] / sweep[best]

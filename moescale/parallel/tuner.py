@@ -2,7 +2,8 @@
 
 Per token-count bucket (the bit length of the largest row count of any rank in the EP group),
 the tuner tries every candidate chunk count `trials` times, then keeps the one with the
-smallest measured forward+backward time. 1 is always a candidate, so pipelining never loses
+smallest median forward+backward time (the median resists the occasional slow step that
+other processes cause). 1 is always a candidate, so pipelining never loses
 to not pipelining by more than the measurement noise.
 
 Identical on every rank by construction: the dispatcher feeds it the MAX over the ranks of
@@ -15,13 +16,14 @@ It does not time anything itself and never talks to other ranks.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True)
 class TunerConfig:
     candidates: tuple[int, ...] = (1, 2, 4, 8)
-    trials: int = 2              # measurements per candidate before exploiting the best
+    trials: int = 3              # measurements per candidate before exploiting the best
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -61,7 +63,7 @@ class ChunkTuner:
         measured = [c for c in self.config.candidates if table[c]]
         if not measured:
             return 1
-        return min(measured, key=lambda c: (min(table[c]), c))
+        return min(measured, key=lambda c: (statistics.median(table[c]), c))
 
     def record(self, bucket: int, chunks: int, seconds: float) -> None:
         if chunks in self._bucket(bucket):

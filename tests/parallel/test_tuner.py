@@ -7,7 +7,7 @@ from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
 
 def test_explores_every_candidate_then_keeps_the_fastest():
     tuner = ChunkTuner(TunerConfig(candidates=(4, 1, 2), trials=2))
-    times = {1: 3.0, 2: 1.0, 4: 2.0}
+    times = {1: 3.0, 2: 1.0, 4: 2.0}   # one value per candidate: median = that value
     seen = []
     for _ in range(6):
         c = tuner.choose(bucket=5)
