@@ -329,9 +329,10 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
     """Static EP through `PipelinedAllToAll` with `num_chunks` chunks (an int, or "auto" for the
     online tuner) and reuse `strategy`.
 
-    Needs grouped experts (an ExpertShard over GroupedExperts): the pipelined backward calls the
-    grouped FFN kernels per chunk. The counts exchange also carries each rank's row count and
-    its last measured forward+backward time, so the tuner sees the same numbers on every rank.
+    Grouped experts run the grouped FFN kernels per chunk (all strategies); other expert modules
+    go through `PipelinedModuleAllToAll` (strategies none, S2, S4). The counts exchange also
+    carries each rank's row count and its last measured forward+backward time, so the tuner
+    sees the same numbers on every rank.
     """
 
     def __init__(self, groups: ParallelGroups, num_experts: int, *,
@@ -387,10 +388,13 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
         local = getattr(experts, "local", None)
-        if not isinstance(local, GroupedExperts):
-            raise ValueError("the pipelined expert-parallel dispatcher needs grouped experts "
-                             "(an ExpertShard of GroupedExperts); use ExpertParallelDispatcher "
-                             f"for {type(local or experts).__name__}")
+        if not hasattr(local, "forward_rows"):
+            raise ValueError("the pipelined expert-parallel dispatcher needs an ExpertShard "
+                             f"(see shard_moe / expert_parallel_moe), got {type(experts).__name__}")
+        grouped = isinstance(local, GroupedExperts)
+        if not grouped and self.strategy == "auto":
+            raise ValueError("strategy='auto' needs grouped experts (the cost model reads their "
+                             "FFN shape); give module experts strategy none, S2 or S4")
         start = _clock(x_TD)
         send_WL, recv_WL, max_rows = self._exchange(plan, x_TD.device)
         bucket = bucket_of(max_rows)
@@ -398,14 +402,19 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         self.history.append((bucket, chunks))
         layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, chunks)
         x_TD = x_TD.to(compute_dtype(x_TD))
-        w = local.weights(x_TD.dtype)
         strategy = self.strategy_for(max_rows, chunks, local, x_TD)
         spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=strategy,
                             num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
         spec.stats.update(bucket=bucket, chunks=chunks, strategy=strategy)
         self.last_stats = spec.stats
-        y_RD = PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF,
-                                       w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+        if grouped:
+            w = local.weights(x_TD.dtype)
+            y_RD = PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF,
+                                           w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+        else:
+            from moescale.parallel.pipeline_modules import PipelinedModuleAllToAll
+            y_RD = PipelinedModuleAllToAll.apply(x_TD.contiguous(), spec, local,
+                                                 *local.parameters())
         spec.stats["forward_s"] = _clock(x_TD) - start
         return combine_rows(y_RD, plan)
 

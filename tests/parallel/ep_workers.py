@@ -205,7 +205,8 @@ def check_primitives(rank: int, world: int):
         errors.append(str(exc))
     case = dict(E=2 * world, top_k=1, module_experts=True)
     moe = shard_moe(_full_moe(case), groups,
-                    PipelinedExpertParallelDispatcher(groups, 2 * world, num_chunks=2))
+                    PipelinedExpertParallelDispatcher(groups, 2 * world, num_chunks=2,
+                                                      strategy="S1"))
     try:
         moe(torch.randn(3, D))
     except ValueError as exc:

@@ -95,6 +95,13 @@ def _pipeline_cases(world: int) -> list[dict]:
              dead=(0, E - 2, E - 1), chunks=4, strategy="S2", bias=True),
         dict(name="pipeline 1 expert per rank", E=world, top_k=1, tokens=tokens, chunks=2,
              strategy="S3"),
+        dict(name="module experts pipelined, none", E=E, top_k=2, tokens=tokens,
+             module_experts=True, chunks=3, strategy="none"),
+        dict(name="module experts pipelined, S2, capacity", E=E, top_k=2, tokens=tokens,
+             module_experts=True, chunks=4, strategy="S2", capacity=1.0),
+        dict(name="module experts pipelined, S4, idle rank", E=E, top_k=2,
+             tokens=[6, 0, 3, 1][:world], module_experts=True, chunks=2, strategy="S4",
+             dead=(0, E - 2, E - 1)),
         dict(name="cost model picks a reuse strategy under a tiny limit", E=E, top_k=2,
              tokens=tokens, chunks=4, strategy="auto", memory_limit=800,
              allowed=("S1", "S2", "S3", "S4")),
@@ -116,7 +123,7 @@ def test_primitives_and_torchrun_environment():
     results = run_local(check_primitives, 3, init_group=False, timeout_s=20, deadline_s=50)
     errors = results[0].value
     assert "num_experts=7 must be a positive multiple of the expert-parallel size 3" in errors[0]
-    assert "needs grouped experts" in errors[1]
+    assert "strategy='S1' offloads the hidden activation" in errors[1]
 
 
 @pytest.mark.timeout(60)
