@@ -7,7 +7,8 @@ plus its optimizer step count (`step_t`, a scalar tensor as torch's AdamW wants)
 
 Tiers:
 - `host`: one `[E, 4, P]` tensor per layer in RAM, pinned under CUDA, optionally in shared
-  memory (`share_memory_()`) so that several local ranks can map one copy;
+  memory (`share_memory_()`) so that several local ranks map one copy (`shared_state()` in
+  the owner, `ExpertStore.attach(...)` in the others);
 - `disk`: one raw fp32 file per expert under `directory/layer{l}/expert{e}.bin` (4*P numbers,
   row-major), read and written by a thread pool into a host cache bounded in **bytes**. Entries
   in use are pinned; eviction is schedule-aware: the layer tells the store the order in which
@@ -146,6 +147,7 @@ class ExpertStore:
         self.num_experts: list[int] = []
         self._host: list[torch.Tensor] = []            # host tier: [E, 4, P] per layer
         self._steps: dict[Key, torch.Tensor] = {}
+        self._host_steps: list[torch.Tensor] = []     # [E] step counts per layer
         self.versions: dict[Key, int] = {}
         self._cache: OrderedDict[Key, ExpertRecord] = OrderedDict()  # disk tier, LRU order
         self._cache_bytes = 0
@@ -175,16 +177,22 @@ class ExpertStore:
         self.layouts.append(layout)
         self.num_experts.append(num_experts)
         data_E4P = None
+        steps_E = torch.zeros(num_experts, dtype=torch.float32)
         if self.config.tier == "host":
             data_E4P = torch.zeros(num_experts, 4, layout.numel, dtype=torch.float32)
             if self.config.shared_memory:
                 data_E4P.share_memory_()
-            if self.config.pin_memory:
+                steps_E.share_memory_()
+                if self.config.pin_memory:  # pin the shared pages in place (no copy)
+                    torch.cuda.cudart().cudaHostRegister(
+                        data_E4P.data_ptr(), data_E4P.numel() * data_E4P.element_size(), 0)
+            elif self.config.pin_memory:
                 data_E4P = data_E4P.pin_memory()
             self._host.append(data_E4P)
+        self._host_steps.append(steps_E)
         for e in range(num_experts):
             key = (layer, e)
-            self._steps[key] = torch.zeros((), dtype=torch.float32)
+            self._steps[key] = steps_E[e]  # a 0-dim view: AdamW increments it in place
             self.versions[key] = 0
             master_P = init(e).detach().reshape(-1).to(torch.float32)
             if master_P.numel() != layout.numel:
@@ -197,6 +205,33 @@ class ExpertStore:
                 rec_4P[MASTER].copy_(master_P)
                 self._write(key, rec_4P)
         return layer
+
+    def shared_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (data_E4P, steps_E) of a host store in shared memory, to hand to other
+        local processes (torch.multiprocessing pickles them as shared-memory handles)."""
+        if self.config.tier != "host" or not self.config.shared_memory:
+            raise ValueError("shared_state() needs tier='host' with shared_memory=True")
+        return list(zip(self._host, self._host_steps))
+
+    @classmethod
+    def attach(cls, config: StoreConfig, layouts: Sequence[ExpertLayout],
+               state: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "ExpertStore":
+        """A store over another process's shared_state(): one copy of the experts, several
+        processes. Versions are per process (each process's device copies are its own)."""
+        store = cls(config)
+        for layout, (data_E4P, steps_E) in zip(layouts, state, strict=True):
+            if tuple(data_E4P.shape[1:]) != (4, layout.numel):
+                raise ValueError(f"shared tensor of shape {tuple(data_E4P.shape)} does not hold "
+                                 f"records of {layout.numel} parameters")
+            layer = len(store.layouts)
+            store.layouts.append(layout)
+            store.num_experts.append(data_E4P.shape[0])
+            store._host.append(data_E4P)
+            store._host_steps.append(steps_E)
+            for e in range(data_E4P.shape[0]):
+                store._steps[(layer, e)] = steps_E[e]
+                store.versions[(layer, e)] = 0
+        return store
 
     def keys(self) -> Iterable[Key]:
         for layer, n in enumerate(self.num_experts):
