@@ -19,8 +19,11 @@ device cache, and is the handle of the training loop:
 `engine.step()` steps the experts that have not stepped yet (all of them in deferred mode)
 on the host worker and returns at once; per-expert fences keep the next forward correct.
 
-Deliberately not here: the planner (`offload="auto"`, not done
-yet), the dense half of a checkpoint (the trainer's).
+`OffloadConfig(tier="auto", tokens_per_micro_batch=..., device_budget_bytes=...)` lets the
+planner pick the mode (auto.py); `engine.plan` then holds its estimates and pick.
+
+Deliberately not here: the planner's model (planner.py), the dense half of a checkpoint (the
+trainer's).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import nn
 from moescale.devices import SimulatedDevice, make_device
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
+from moescale.offload.auto import resolve_auto
 from moescale.offload.cache import DeviceCache
 from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
@@ -64,6 +68,10 @@ class OffloadConfig:
     shared_memory: bool = False
     io_threads: int = 4
     optimizer: AdamWConfig | None = None
+    # tier="auto" only: the planner's inputs (see auto.py)
+    tokens_per_micro_batch: int | None = None
+    host_budget_bytes: int | None = None
+    rates: str = "measure"
 
     def __post_init__(self) -> None:
         if self.activation_policy not in POLICIES:
@@ -79,6 +87,14 @@ class OffloadConfig:
             raise ValueError("give device_budget_bytes or device_budget_experts, not both")
         if self.device_budget_experts is not None and not self.device_budget_experts > 0:
             raise ValueError(f"device_budget_experts={self.device_budget_experts!r} must be > 0")
+        if self.tier == "auto":
+            if self.tokens_per_micro_batch is None or self.device_budget_bytes is None:
+                raise ValueError("tier='auto' needs tokens_per_micro_batch=<tokens per "
+                                 "micro-batch> and device_budget_bytes=<device memory for "
+                                 "training>, the planner's inputs")
+            if self.rates not in ("measure", "a100"):
+                raise ValueError(f"rates={self.rates!r} must be 'measure' or 'a100'")
+            return
         StoreConfig(tier=self.tier, directory=self.directory,
                     host_cache_bytes=self.host_cache_bytes, io_threads=self.io_threads)
 
@@ -101,6 +117,7 @@ class OffloadEngine:
         self.cache: DeviceCache | None = None
         self.layers: list = []  # the offloaded expert containers, by store layer
         self.last_micro_batch = True
+        self.plan = None  # set by offload_moe for tier='auto'
         self._trace: list[tuple[int, list[int]]] = []
         self._grad_coef: float | None = None
 
@@ -231,6 +248,7 @@ class OffloadEngine:
         self.optimizer.step_all(grad_coef=self._grad_coef)
         self._grad_coef = None
         self.last_micro_batch = True
+        self.plan = None  # set by offload_moe for tier='auto'
         self._trace.clear()
         self.cache.repin(reserve_rotating=2 + self.config.lookahead)
 
@@ -276,7 +294,13 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
     store instead of the experts' own weights: models built on the meta device never hold
     their experts in memory (grouped experts only)."""
     config = config or OffloadConfig()
+    planned = None
+    if config.tier == "auto":
+        config, estimates, pick = resolve_auto(model, config)
+        planned = (estimates, pick)
     engine = OffloadEngine(config)
+    engine.plan = planned  # (the planner's estimates, its pick) when tier was 'auto'
+
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         raise ValueError("offload_moe found no MoE layer in the model; build it with "

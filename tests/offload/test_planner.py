@@ -52,3 +52,36 @@ def test_plan_command_prints_every_mode_and_a_pick(capsys):
     for mode in MODES:
         assert mode in out
     assert "pick:" in out and "largest expert count" in out
+
+
+def _gpt_like():
+    import torch
+    from moescale import MoE
+    torch.manual_seed(0)
+    return torch.nn.Sequential(MoE(32, 8, 2, d_ff=64), MoE(32, 8, 2, d_ff=64))
+
+
+@pytest.mark.parametrize("device_bytes,host_bytes,want,tier,pin", [
+    (1 << 30, 1 << 30, "device", "host", 1.0),         # everything fits on the device
+    (240_000, 1 << 30, "pin", "host", 0.25),            # the device holds slots + hot experts
+    (240_000, 1 << 19, "disk", "disk", 0.0),            # the host cannot hold the state
+])
+def test_auto_tier_follows_the_planner(tmp_path, device_bytes, host_bytes, want, tier, pin):
+    from moescale.offload import OffloadConfig, offload_moe
+    model = _gpt_like()
+    engine = offload_moe(model, OffloadConfig(
+        tier="auto", tokens_per_micro_batch=64, device_budget_bytes=device_bytes,
+        host_budget_bytes=host_bytes, host_cache_bytes=1 << 19, directory=str(tmp_path),
+        rates="a100", device="cpu"))
+    assert engine.plan[1] == want
+    assert engine.config.tier == tier and engine.config.pin_fraction == pin
+    import torch
+    model(torch.randn(16, 32)).sum().backward()
+    engine.step()
+    engine.close()
+
+
+def test_auto_tier_needs_its_inputs():
+    from moescale.offload import OffloadConfig
+    with pytest.raises(ValueError, match="tokens_per_micro_batch"):
+        OffloadConfig(tier="auto", device_budget_bytes=1 << 20)

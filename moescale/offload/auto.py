@@ -1,0 +1,68 @@
+"""`OffloadConfig(tier="auto")`: let the planner choose the offloading mode for a model.
+
+`resolve_auto(model, config)` describes the model's MoE layers to the planner (width, expert
+hidden width, expert count, top-k, GLU, dense parameter count, compute dtype, the config's
+`tokens_per_micro_batch`), takes the budgets from the config (device: required; host: the
+config's `host_budget_bytes` or the memory available now; disk: the free space of
+`directory`, 0 without one), the rates measured on this machine (`rates="measure"`) or
+ES-MoE's A100 node (`rates="a100"`), and maps the planner's pick onto a concrete config:
+
+    device -> host tier with every expert pinned on the device (pin_fraction=1.0)
+    pin    -> host tier, the hottest 25% pinned
+    host   -> host tier
+    disk   -> disk tier under `directory` (host cache: the config's or half the host budget)
+
+Deliberately not here: re-planning during training (the pick is made once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import psutil
+from torch import nn
+
+from moescale.layers.experts import GroupedExperts
+from moescale.layers.moe import MoE
+from moescale.offload.planner import A100_NODE, Budgets, ModelSpec, measure_rates, plan
+
+
+def model_spec(model: nn.Module, tokens: int, dtype: str) -> ModelSpec:
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        raise ValueError("tier='auto' found no MoE layer in the model")
+    first = moes[0]
+    expert_ids = {id(p) for m in moes for p in m.experts.parameters()}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
+    glu = isinstance(first.experts, GroupedExperts) and first.experts.glu
+    return ModelSpec(moe_layers=len(moes), d_model=first.config.d_model,
+                     d_ff=first.config.d_ff, num_experts=max(m.num_experts for m in moes),
+                     top_k=first.config.top_k, tokens=tokens, glu=glu, dtype=dtype,
+                     dense_params=dense)
+
+
+def resolve_auto(model: nn.Module, config):
+    """(concrete OffloadConfig, the planner's estimates, its pick) for tier='auto'."""
+    spec = model_spec(model, config.tokens_per_micro_batch, config.compute_dtype)
+    host = config.host_budget_bytes
+    if host is None:
+        host = psutil.virtual_memory().available
+    disk = shutil.disk_usage(config.directory).free if config.directory else 0
+    budgets = Budgets(device_bytes=config.device_budget_bytes, host_bytes=host,
+                      disk_bytes=disk, host_cache_bytes=config.host_cache_bytes)
+    rates = measure_rates(config.directory) if config.rates == "measure" else A100_NODE
+    estimates, pick = plan(spec, budgets, rates, step_mode=config.step_mode,
+                           pin_fraction=0.25, lookahead=config.lookahead)
+    if pick is None:
+        table = "; ".join(f"{e.mode}: device {e.device_bytes} host {e.host_bytes} disk "
+                          f"{e.disk_bytes}" for e in estimates)
+        raise ValueError(f"tier='auto': no offloading mode fits the budgets (device "
+                         f"{budgets.device_bytes}, host {budgets.host_bytes}, disk "
+                         f"{budgets.disk_bytes} bytes; needs {table}); raise a budget or give "
+                         "a disk directory")
+    changes = dict(tier="host", pin_fraction={"device": 1.0, "pin": 0.25}.get(pick, 0.0))
+    if pick == "disk":
+        changes = dict(tier="disk", pin_fraction=0.0, host_cache_bytes=(
+            config.host_cache_bytes if config.host_cache_bytes is not None else host // 2))
+    return dataclasses.replace(config, **changes), estimates, pick
