@@ -258,7 +258,7 @@ class PipelinedAllToAll(torch.autograd.Function):
         groups = spec.groups
         gy_RD = gy_RD.contiguous()
         device = gy_RD.device
-        start = _clock(gy_RD)
+        start = _mark(gy_RD)
         with torch.autocast(device.type, enabled=False):
             def send_grad(k):
                 spec.note("output grads", k)
@@ -311,7 +311,7 @@ class PipelinedAllToAll(torch.autograd.Function):
             if back is not None:
                 dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(),
                                   ctx.num_tokens)
-        spec.stats["backward_s"] = _clock(gy_RD) - start
+        spec.stats["backward_marks"] = (start, _mark(gy_RD))
         out_w = [None] * 5
         if need_dw:
             out_w = [None if g is None or not need else g.mul_(spec.grad_scale)
@@ -374,8 +374,12 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         W, L = self.groups.ep_size, self.num_local
         prev = self.last_stats
         elapsed_us = -1
-        if "backward_s" in prev and "forward_s" in prev:
-            elapsed_us = int(1e6 * (prev["forward_s"] + prev["backward_s"]))
+        if "backward_marks" in prev and "forward_marks" in prev:
+            fwd = _elapsed(*prev["forward_marks"])
+            bwd = _elapsed(*prev["backward_marks"])
+            if fwd is not None and bwd is not None:
+                prev["forward_s"], prev["backward_s"] = fwd, bwd
+                elapsed_us = int(1e6 * (fwd + bwd))
         send = [list(plan.counts[p * L:(p + 1) * L]) + [plan.num_rows, elapsed_us]
                 for p in range(W)]
         recv = exchange_counts(torch.tensor(send, dtype=torch.int64, device=device),
@@ -395,7 +399,7 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         if not grouped and self.strategy == "auto":
             raise ValueError("strategy='auto' needs grouped experts (the cost model reads their "
                              "FFN shape); give module experts strategy none, S2 or S4")
-        start = _clock(x_TD)
+        start = _mark(x_TD)
         send_WL, recv_WL, max_rows = self._exchange(plan, x_TD.device)
         bucket = bucket_of(max_rows)
         chunks = self.tuner.choose(bucket) if self.tuner is not None else self.num_chunks
@@ -415,12 +419,26 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
             from moescale.parallel.pipeline_modules import PipelinedModuleAllToAll
             y_RD = PipelinedModuleAllToAll.apply(x_TD.contiguous(), spec, local,
                                                  *local.parameters())
-        spec.stats["forward_s"] = _clock(x_TD) - start
+        spec.stats["forward_marks"] = (start, _mark(x_TD))
         return combine_rows(y_RD, plan)
 
 
-def _clock(t: torch.Tensor) -> float:
-    """Wall time, after the device's queued work (so timings cover the real work)."""
+def _mark(t: torch.Tensor):
+    """A point in time without a host sync: perf_counter on CPU, a recorded event on CUDA."""
     if t.is_cuda:
-        torch.cuda.synchronize(t.device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
     return time.perf_counter()
+
+
+def _elapsed(start, stop) -> float | None:
+    """Seconds between two marks; None while a CUDA event has not completed (never waits).
+
+    The tuner reads the previous call's marks during the next call, after the routing plan's
+    host sync, so on CUDA they have completed by then."""
+    if isinstance(start, float):
+        return stop - start
+    if not stop.query():
+        return None
+    return start.elapsed_time(stop) / 1e3
