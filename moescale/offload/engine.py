@@ -252,6 +252,17 @@ class OffloadEngine:
         self._trace.clear()
         self.cache.repin(reserve_rotating=2 + self.config.lookahead)
 
+    def zero_grad(self) -> None:
+        """Discard every expert's accumulated gradient (e.g. after a backward that should not
+        count); the dense side is the user's optimizer.zero_grad()."""
+        self.optimizer.wait_all()
+        for key in self.store.keys():
+            rec = self.store.acquire(key)
+            try:
+                rec.grad_P.zero_()
+            finally:
+                self.store.release(key, dirty=True)
+
     def synchronize(self) -> None:
         """Wait for every queued host task (optimizer steps, accumulations)."""
         self.optimizer.wait_all()

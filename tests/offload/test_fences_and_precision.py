@@ -87,3 +87,14 @@ def test_bf16_compute_with_fp32_masters_matches_resident_autocast():
         torch.testing.assert_close(grads["w2_EFD"], moe.experts.w2_EFD.grad[e], **bf16)
         engine.store.release((0, e))
     engine.close()
+
+
+def test_zero_grad_discards_expert_gradients():
+    off = copy.deepcopy(build())
+    engine = offload_moe(off, OffloadConfig(device_budget_experts=2, step_mode="deferred"))
+    off(torch.randn(16, 12)).sum().backward()
+    engine.synchronize()
+    assert engine.optimizer.grad_norm_sq() > 0
+    engine.zero_grad()
+    assert engine.optimizer.grad_norm_sq() == 0
+    engine.close()
