@@ -155,9 +155,12 @@ class ExpertParallelDispatcher:
         return send_WL, recv_WL
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
-        if getattr(experts, "num_local_experts", self.num_local) != self.num_local:
-            raise ValueError(f"experts hold {experts.num_local_experts} local experts but the "
-                             f"dispatcher expects {self.num_local} per rank")
+        held = getattr(experts, "num_local_experts", getattr(experts, "num_experts", None))
+        if held != self.num_local:
+            raise ValueError(f"the layer's experts hold {held} experts on this rank but expert "
+                             f"parallelism over {self.groups.ep_size} ranks puts "
+                             f"{self.num_local} here; build the layer with shard_moe(), "
+                             "expert_parallel_moe() or expert_parallel_model()")
         W, group = self.groups.ep_size, self.groups.ep_group
         send_WL, recv_WL = self.route_counts(plan, x_TD.device)
         send_splits = [sum(row) for row in send_WL]

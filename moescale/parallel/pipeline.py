@@ -395,6 +395,9 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         if not hasattr(local, "forward_rows"):
             raise ValueError("the pipelined expert-parallel dispatcher needs an ExpertShard "
                              f"(see shard_moe / expert_parallel_moe), got {type(experts).__name__}")
+        if experts.num_local_experts != self.num_local:
+            raise ValueError(f"the layer's experts hold {experts.num_local_experts} experts on "
+                             f"this rank but the dispatcher expects {self.num_local}")
         grouped = isinstance(local, GroupedExperts)
         if not grouped and self.strategy == "auto":
             raise ValueError("strategy='auto' needs grouped experts (the cost model reads their "

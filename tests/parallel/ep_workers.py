@@ -211,6 +211,11 @@ def check_primitives(rank: int, world: int):
         moe(torch.randn(3, D))
     except ValueError as exc:
         errors.append(str(exc))
+    try:                          # a full expert set under an EP dispatcher is refused
+        MoE(D, 2 * world, 2, d_ff=F,
+            dispatcher=ExpertParallelDispatcher(groups, 2 * world))(torch.randn(3, D))
+    except ValueError as exc:
+        errors.append(str(exc))
     _check_schedule(rank, groups)
     return errors
 

@@ -124,6 +124,7 @@ def test_primitives_and_torchrun_environment():
     errors = results[0].value
     assert "num_experts=7 must be a positive multiple of the expert-parallel size 3" in errors[0]
     assert "strategy='S1' offloads the hidden activation" in errors[1]
+    assert "hold 6 experts on this rank but expert parallelism over 3 ranks puts 2" in errors[2]
 
 
 @pytest.mark.timeout(60)
