@@ -54,6 +54,10 @@ def test_split_ranks_and_config_errors():
         ParallelConfig(backend="mpi")
     with pytest.raises(ValueError, match="timeout_s"):
         ParallelConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="chunks=0"):
+        ParallelConfig(chunks=0)
+    with pytest.raises(ValueError, match="reuse='S5'"):
+        ParallelConfig(reuse="S5")
     assert ParallelConfig().resolved_backend() in ("gloo", "nccl")
 
 
