@@ -123,6 +123,20 @@ def test_pipelined_matches_reference(world):
 
 
 @pytest.mark.timeout(60)
+def test_pipelined_with_expert_replicas():
+    """4 ranks = 2 EP groups x 2 replicas: the pipeline runs on the EP subgroups, expert grads
+    are averaged over the replicas."""
+    tokens = [9, 4, 7, 5]
+    cases = [dict(name="replicas S4", E=4, top_k=2, tokens=tokens, chunks=3, strategy="S4"),
+             dict(name="replicas S1 glu", E=6, top_k=2, tokens=tokens, chunks=2,
+                  strategy="S1", glu=True, clip=True),
+             dict(name="replicas modules S2", E=4, top_k=1, tokens=tokens, chunks=4,
+                  strategy="S2", module_experts=True)]
+    results = run_local(check_against_reference, 4, (cases, 2), timeout_s=20, deadline_s=50)
+    assert all(len(r.value) == len(cases) for r in results)
+
+
+@pytest.mark.timeout(60)
 def test_primitives_and_torchrun_environment():
     results = run_local(check_primitives, 3, init_group=False, timeout_s=20, deadline_s=50)
     errors = results[0].value
