@@ -40,6 +40,34 @@ class Activation:
             return F.relu(h)
         return spec(h)
 
+    def forward_into(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = act(h) written into `out` (same dtype as h); returns out."""
+        spec = self.spec
+        if spec == "gelu":
+            return torch.ops.aten.gelu.out(h, out=out)
+        if spec == "gelu_tanh":
+            return torch.ops.aten.gelu.out(h, approximate="tanh", out=out)
+        if spec == "silu":
+            return torch.ops.aten.silu.out(h, out=out)
+        if spec == "relu":
+            return torch.clamp_min(h, 0, out=out)
+        return out.copy_(spec(h))
+
+    def backward_into(self, grad_a: torch.Tensor, h: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+        """out = d act(h)/dh * grad_a written into `out` (which may alias grad_a)."""
+        spec = self.spec
+        if spec == "gelu":
+            return torch.ops.aten.gelu_backward.grad_input(grad_a, h, grad_input=out)
+        if spec == "gelu_tanh":
+            return torch.ops.aten.gelu_backward.grad_input(grad_a, h, approximate="tanh",
+                                                           grad_input=out)
+        if spec == "silu":
+            return torch.ops.aten.silu_backward.grad_input(grad_a, h, grad_input=out)
+        if spec == "relu":
+            return torch.mul(grad_a, h > 0, out=out)
+        return out.copy_(self.backward(grad_a, h))
+
     def backward(self, grad_a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         if spec == "gelu":
