@@ -48,6 +48,26 @@ def top_k_lowest_index(values_TE: torch.Tensor, k: int):
     return values_TE.gather(1, ids_TK), ids_TK
 
 
+class GateLogits(torch.autograd.Function):
+    """logits_TE = x_TD @ w_ED^T computed in fp32, saving x_TD in its own precision.
+
+    `x_TD.float() @ w.float().t()` in autograd would save the fp32 copy of a bf16 input for
+    backward (2x the input's bytes); this keeps the input itself and upcasts again in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED):
+        ctx.save_for_backward(x_TD, w_ED)
+        return x_TD.float() @ w_ED.float().t()
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TD, w_ED = ctx.saved_tensors
+        dx_TD = (g_TE @ w_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+        dw_ED = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        return dx_TD, dw_ED
+
+
 class Router(nn.Module):
     """Gate projection `D -> E` (no bias) and the routing rule named by `config.kind`."""
 
@@ -72,15 +92,15 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.config
         with torch.autocast(x_TD.device.type, enabled=False):
-            x32_TD = x_TD.float()
+            x_in_TD = x_TD
             if cfg.kind == "switch" and self.training and cfg.jitter_eps > 0:
-                jitter_TD = torch.empty_like(x32_TD).uniform_(1.0 - cfg.jitter_eps,
-                                                              1.0 + cfg.jitter_eps)
-                x32_TD = x32_TD * jitter_TD
-            logits_TE = x32_TD @ self.weight.float().t()
+                jitter_TD = torch.empty(x_TD.shape, device=x_TD.device).uniform_(
+                    1.0 - cfg.jitter_eps, 1.0 + cfg.jitter_eps)
+                x_in_TD = x_TD.float() * jitter_TD
+            logits_TE = GateLogits.apply(x_in_TD, self.weight)
             probs_TE = torch.softmax(logits_TE, dim=-1)
             if cfg.kind == "noisy_topk":
-                scores_TK, ids_TK = self._noisy_topk(x32_TD, logits_TE)
+                scores_TK, ids_TK = self._noisy_topk(x_in_TD, logits_TE)
             elif cfg.kind == "gshard":
                 scores_TK, ids_TK = self._gshard(probs_TE)
             else:
@@ -89,11 +109,11 @@ class Router(nn.Module):
                     scores_TK = scores_TK / scores_TK.sum(-1, keepdim=True)
         return RouterOutput(scores_TK, ids_TK, logits_TE, probs_TE)
 
-    def _noisy_topk(self, x32_TD: torch.Tensor, logits_TE: torch.Tensor):
+    def _noisy_topk(self, x_TD: torch.Tensor, logits_TE: torch.Tensor):
         cfg = self.config
         noisy_TE = logits_TE
         if self.training:
-            std_TE = F.softplus(x32_TD @ self.noise_weight.float().t()) + cfg.noise_std_min
+            std_TE = F.softplus(GateLogits.apply(x_TD, self.noise_weight)) + cfg.noise_std_min
             noisy_TE = logits_TE + torch.randn_like(logits_TE) * std_TE
         top_TK, ids_TK = top_k_lowest_index(noisy_TE, cfg.top_k)
         return torch.softmax(top_TK, dim=-1), ids_TK
