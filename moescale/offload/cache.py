@@ -67,9 +67,11 @@ class DeviceCache:
         return self.store.layouts[layer].numel * torch.empty((), dtype=self.dtype).element_size()
 
     # ----------------------------------------------------------------- uploads
-    def _start(self, key: Key, block: bool, headroom: int = 0) -> _Entry | None:
+    def _start(self, key: Key, block: bool, headroom: int = 0,
+               whole_record: bool = False) -> _Entry | None:
         """Reserve and start an upload of key; None when it (plus headroom bytes) does not
-        fit and block=False."""
+        fit and block=False. whole_record: load the store's whole record (its gradient is
+        about to be accumulated), not just the master row."""
         nbytes = self.expert_bytes(key[0])
         if not block and not self.device.fits(nbytes + headroom):
             return None
@@ -80,6 +82,8 @@ class DeviceCache:
         def prepare():
             optimizer.wait_step(key)  # the per-expert fence
             version_box.append(store.versions[key])
+            if whole_record:
+                return [store.acquire(key).master_P], lambda: store.release(key)
             master_P, done = store.read_master(key)
             return [master_P], done
 
@@ -111,10 +115,11 @@ class DeviceCache:
         return key in self._pinned
 
     # ----------------------------------------------------------------- the walk
-    def walk(self, layer: int, order, headroom: int = 0):
+    def walk(self, layer: int, order, headroom: int = 0, whole_record: bool = False):
         """Yield (expert, weights_P) for each expert of `order`, uploads overlapped. A
         look-ahead upload is issued only if it leaves `headroom` bytes free (backward keeps
-        room for the current expert's gradient)."""
+        room for the current expert's gradient and sets whole_record: the disk tier then
+        caches the record the gradient goes to, instead of reading the master twice)."""
         order = list(order)
         pending: deque[tuple[int, _Entry]] = deque()
         nxt = 0
@@ -127,7 +132,8 @@ class DeviceCache:
                     entry = self._valid_pinned(key) or self._refresh_pinned(key)
                 else:
                     entry = self._start(key, block=not pending,
-                                        headroom=headroom if pending else 0)
+                                        headroom=headroom if pending else 0,
+                                        whole_record=whole_record)
                     if entry is None:
                         return
                 if pending:

@@ -106,7 +106,8 @@ class OffloadedExpertsFn(torch.autograd.Function):
         order = engine.backward_order(layer.layer_index, ctx.order, ctx.last_micro_batch)
         grad_bytes = layer.layout.numel * x.element_size()
         with torch.autocast(x.device.type, enabled=False):
-            for e, w_P in engine.cache.walk(layer.layer_index, order, headroom=grad_bytes):
+            for e, w_P in engine.cache.walk(layer.layer_index, order, headroom=grad_bytes,
+                                            whole_record=True):
                 s, n = starts[e], counts[e]
                 if routed:
                     rows_N = token_idx_R[s:s + n]
