@@ -1,0 +1,311 @@
+"""Dynamic expert placement (ES-MoE): every iteration, each expert runs where LPT puts it.
+
+Every rank of the group can compute every expert (all ranks share one host copy: the shared
+ExpertStore, see `dynamic_experts.py`; replicated `GroupedExperts` also work). Per MoE call:
+
+  counts   = all-gather of every rank's per-expert row counts -> counts_WE on every rank (host)
+  plan     = plan_placement(sum over ranks, config): the same deterministic LPT on every rank,
+             so nobody broadcasts a decision (a `placement_hook` may replace it, e.g. a random
+             permutation in tests)
+  layout   = pure host arithmetic on (counts_WE, placement): global rows of expert e are
+             ordered (source rank, the source's row order); shard (e, d, a, b) takes global rows
+             [a, b) of e to device d. Each rank knows every send and receive split, so no
+             counts exchange is needed.
+  dispatch = rows permuted into (destination, shard) order, uneven all-to-all
+  experts  = received (source, shard) blocks reordered to (shard, source): the rows of each
+             expert are contiguous, in ascending expert order -> experts.forward_rows
+  combine  = inverse reorder, all-to-all back, inverse permutation, score-weighted index_add
+
+The row permutation follows the placement, whatever it is (tested under random placements:
+ES-MoE's public code sends tokens to the wrong expert when placement departs from identity).
+
+Gradient scale is the expert-parallel one (docs/expert_parallel.md): each rank back-propagates
+its own loss, the model's loss is their mean; the dispatch all-to-all's backward multiplies by
+W and the return's by 1/W, so expert gradients come out at the mean scale. A split expert's
+rows run on several devices: its partial gradients must be summed (SharedStoreExperts does it
+in backward; for replicated parameter experts call `sum_expert_grads`).
+
+Load model: placing expert e on device d costs rows * row_cost (+ upload_cost when e is not
+resident in d's cache); `expert_row_flops` gives row_cost for an FFN expert. After each call
+`dispatcher.stats` holds the modelled per-device loads, max/mean and the number of split
+experts, for the trainer to log.
+
+Not here: the expert math and the optimizer step (dynamic_experts.py), overlap of the
+exchanges with compute, and placement across nodes (within a node only).
+
+Legend: T tokens, R rows this rank routed (grouped by expert), S rows received, D model width,
+E experts, W ranks of the group (= devices of the node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moescale.dispatch.local import combine_rows, gather_rows
+from moescale.dispatch.plan import RoutingPlan
+from moescale.layers.experts import compute_dtype
+from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, collective_errors
+from moescale.parallel.placement import Placement, PlacementConfig, plan_placement
+
+
+def expert_row_flops(d_model: int, d_ff: int, glu: bool = False) -> float:
+    """Forward FLOPs of one row through one FFN expert (the load model's row cost)."""
+    return 2.0 * d_model * d_ff * (3 if glu else 2)
+
+
+@dataclass
+class PlacementStats:
+    """The modelled loads of the last call (plain numbers, for logging)."""
+
+    device_load: list[float]
+    device_rows: list[int]
+    max_load: float
+    mean_load: float
+    imbalance: float        # max / mean modelled load (1.0: perfect)
+    num_split: int          # experts whose rows were sharded over several devices
+    bound: float            # lower bound of max/mean without splitting: max(e load) * W / total
+
+
+@dataclass
+class RowLayout:
+    """How this rank's rows move in one call (host lists and index tensors)."""
+
+    send_perm_R: torch.Tensor | None    # x_sent = x_RD[send_perm_R] (None: identity)
+    send_splits: list[int]
+    recv_splits: list[int]
+    expert_perm_S: torch.Tensor | None  # x_local = x_recv[expert_perm_S] (None: identity)
+    local_counts_E: list[int]           # rows per expert on this device (ascending expert)
+    owners_E: list[int]                 # the device that owns (accumulates, steps) each expert
+    split_experts: list[int]            # experts with shards on more than one device
+
+
+def _segments_index(segments: list[tuple[int, int]], total: int, device) -> torch.Tensor | None:
+    """Index gathering consecutive (start, length) segments; None when it is the identity."""
+    shift_B, n_B, dst, identity = [], [], 0, True
+    for start, n in segments:
+        if n == 0:
+            continue
+        identity &= start == dst
+        shift_B.append(start - dst)
+        n_B.append(n)
+        dst += n
+    assert dst == total, (dst, total)
+    if identity:
+        return None
+    shift_S = torch.repeat_interleave(torch.tensor(shift_B, device=device),
+                                      torch.tensor(n_B, device=device), output_size=total)
+    return torch.arange(total, device=device) + shift_S
+
+
+def row_layout(counts_WE: list[list[int]], placement: Placement, rank: int,
+               device=None) -> RowLayout:
+    """The permutations and splits for `rank` under `placement` (same answer on every rank)."""
+    W, E = len(counts_WE), len(counts_WE[0])
+    total_E = [sum(counts_WE[s][e] for s in range(W)) for e in range(E)]
+    work: list[list[tuple[int, int, int]]] = [[] for _ in range(W)]
+    covered = [0] * E
+    devices_of: list[set[int]] = [set() for _ in range(E)]
+    for e, d, a, b in placement.raw_shards:
+        if not 0 <= d < W:
+            raise ValueError(f"the placement puts expert {e} on device {d}; the group has {W}")
+        work[d].append((e, a, b))
+        covered[e] += b - a
+        devices_of[e].add(d)
+    if covered != total_E:
+        raise ValueError(f"the placement covers {covered} rows per expert but the ranks "
+                         f"routed {total_E}; every row needs exactly one shard")
+    for shards in work:
+        shards.sort()   # ascending expert, then row start: experts contiguous on the device
+    offset_WE = [[0] * E for _ in range(W)]   # global row of expert e where source s starts
+    for e in range(E):
+        acc = 0
+        for s in range(W):
+            offset_WE[s][e] = acc
+            acc += counts_WE[s][e]
+
+    def piece(s: int, e: int, a: int, b: int) -> tuple[int, int]:
+        """(first row within source s's rows of e, number of rows) of shard [a, b) of e."""
+        lo, hi = max(a, offset_WE[s][e]), min(b, offset_WE[s][e] + counts_WE[s][e])
+        return lo - offset_WE[s][e], max(0, hi - lo)
+
+    plan_start_E, acc = [], 0          # where expert e's rows begin in this rank's plan
+    for e in range(E):
+        plan_start_E.append(acc)
+        acc += counts_WE[rank][e]
+    send_segments, send_splits = [], []
+    for d in range(W):
+        n_d = 0
+        for e, a, b in work[d]:
+            first, n = piece(rank, e, a, b)
+            send_segments.append((plan_start_E[e] + first, n))
+            n_d += n
+        send_splits.append(n_d)
+    recv_n = [[piece(s, e, a, b)[1] for (e, a, b) in work[rank]] for s in range(W)]
+    recv_splits = [sum(row) for row in recv_n]
+    block_start, acc = {}, 0            # received layout: (source, shard)-major
+    for s in range(W):
+        for j, n in enumerate(recv_n[s]):
+            block_start[s, j] = acc
+            acc += n
+    local_segments, local_counts_E = [], [0] * E
+    for j, (e, _, _) in enumerate(work[rank]):   # wanted: (shard, source)-major
+        for s in range(W):
+            local_segments.append((block_start[s, j], recv_n[s][j]))
+            local_counts_E[e] += recv_n[s][j]
+    owners_E = [-1] * E
+    for e, d, a, _ in placement.raw_shards:
+        if a == 0:
+            owners_E[e] = d    # the device of the shard holding the expert's first rows
+    split = [e for e in range(E) if len(devices_of[e]) > 1]
+    return RowLayout(
+        send_perm_R=_segments_index(send_segments, sum(send_splits), device),
+        send_splits=send_splits, recv_splits=recv_splits,
+        expert_perm_S=_segments_index(local_segments, sum(recv_splits), device),
+        local_counts_E=local_counts_E, owners_E=owners_E, split_experts=split)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+class DynamicPlacementDispatcher:
+    """Per call: all-gather counts, plan LPT (+ split), move rows to this iteration's owners.
+
+    group:     the ranks (devices) of the node that share one host copy of the experts.
+    config:    PlacementConfig; num_devices must equal the group size.
+    resident:  optional callable () -> per-device sets of experts already cached there
+               (affinity); must return the same on every rank.
+    placement_hook: optional (placement, counts_E) -> Placement, run after planning on every
+               rank (it must be deterministic across ranks; tests use a seeded permutation).
+    """
+
+    def __init__(self, group, num_experts: int, config: PlacementConfig,
+                 resident: Callable[[], list[set[int]]] | None = None,
+                 placement_hook: Callable[[Placement, list[int]], Placement] | None = None
+                 ) -> None:
+        size = dist.get_world_size(group)
+        if config.num_devices != size:
+            raise ValueError(f"PlacementConfig(num_devices={config.num_devices}) must equal the "
+                             f"group size {size}: every rank of the group is one device")
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+        self.group, self.num_experts, self.config = group, num_experts, config
+        self.rank, self.size = dist.get_rank(group), size
+        self.resident, self.placement_hook = resident, placement_hook
+        self.stats: PlacementStats | None = None
+        self.last_placement: Placement | None = None
+        self.last_layout: RowLayout | None = None
+
+    def gather_counts(self, counts: list[int], device) -> list[list[int]]:
+        """counts_WE on the host: one all-gather of E integers per rank, one sync."""
+        local = torch.tensor(counts, dtype=torch.int64, device=device)
+        out = torch.empty(self.size * self.num_experts, dtype=torch.int64, device=device)
+        with collective_errors("counts all-gather", self.group):
+            dist.all_gather_into_tensor(out, local, group=self.group)
+        flat = out.tolist()
+        E = self.num_experts
+        return [flat[s * E:(s + 1) * E] for s in range(self.size)]
+
+    def place(self, counts_WE: list[list[int]]) -> Placement:
+        total_E = [sum(col) for col in zip(*counts_WE)]
+        resident = self.resident() if self.resident is not None else None
+        placement = plan_placement(total_E, self.config, resident)
+        if self.placement_hook is not None:
+            placement = self.placement_hook(placement, total_E)
+        self._record(placement, total_E)
+        return placement
+
+    def _record(self, placement: Placement, total_E: list[int]) -> None:
+        rows = [0] * self.size
+        loads = [0.0] * self.size
+        for e, d, a, b in placement.raw_shards:
+            rows[d] += b - a
+            loads[d] += (b - a) * self.config.row_cost
+        # the hook may move shards: recompute the row part, keep the planner's upload part
+        if self.placement_hook is None:
+            loads = list(placement.device_load)
+        mean = sum(loads) / self.size
+        total = sum(total_E) * self.config.row_cost
+        self.stats = PlacementStats(
+            device_load=loads, device_rows=rows, max_load=max(loads), mean_load=mean,
+            imbalance=max(loads) / mean if mean > 0 else 1.0,
+            num_split=len({e for e, d, a, b in placement.raw_shards if b - a < total_E[e]}),
+            bound=max(total_E) * self.config.row_cost * self.size / total if total else 1.0)
+        self.last_placement = placement
+
+    def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
+        if len(plan.counts) != self.num_experts:
+            raise ValueError(f"the routing plan has {len(plan.counts)} experts but the "
+                             f"dispatcher was built for num_experts={self.num_experts}")
+        held = getattr(experts, "num_experts", None)
+        if held != self.num_experts or hasattr(experts, "expert_ids"):
+            raise ValueError(f"dynamic placement needs every expert on every rank (a shared "
+                             f"store or replicated experts); the layer's experts hold {held} "
+                             f"of {self.num_experts}")
+        counts_WE = self.gather_counts(plan.counts, x_TD.device)
+        placement = self.place(counts_WE)
+        lay = row_layout(counts_WE, placement, self.rank, x_TD.device)
+        self.last_layout = lay
+        W, group = self.size, self.group
+        x_TD = x_TD.to(compute_dtype(x_TD))
+        x_sent = _take(gather_rows(x_TD, plan), lay.send_perm_R)
+        x_SD = all_to_all_rows(x_sent, lay.send_splits, lay.recv_splits, group,
+                               grad_scale=float(W))
+        x_local = _take(x_SD, lay.expert_perm_S)
+        if hasattr(experts, "forward_placed"):
+            y_local = experts.forward_placed(x_local, lay.local_counts_E, lay.owners_E,
+                                             lay.split_experts, group)
+        else:
+            y_local = experts.forward_rows(x_local, lay.local_counts_E)
+        inv_local = None if lay.expert_perm_S is None else _inverse(lay.expert_perm_S)
+        y_SD = _take(y_local, inv_local)
+        y_back = all_to_all_rows(y_SD, lay.recv_splits, lay.send_splits, group,
+                                 grad_scale=1.0 / W)
+        inv_send = None if lay.send_perm_R is None else _inverse(lay.send_perm_R)
+        return combine_rows(_take(y_back, inv_send), plan)
+
+    def reduce_sum(self, stats: torch.Tensor) -> torch.Tensor:
+        """Balance-loss statistics summed over the group (differentiable)."""
+        return all_reduce_sum(stats, self.group)
+
+
+def sum_expert_grads(experts: torch.nn.Module, group) -> None:
+    """Replicated parameter experts under dynamic placement: sum the partial gradients of
+    every expert parameter over the group (each rank computed only the rows placed on it)."""
+    for p in experts.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        with collective_errors("expert gradient all-reduce", group):
+            dist.all_reduce(p.grad, group=group)
+
+
+def random_placement_hook(seed: int, num_devices: int):
+    """A placement_hook for tests: every call re-deals each shard to a random device (and may
+    split an expert's rows at a random point), with a seeded generator identical on all ranks."""
+    import random
+
+    rng = random.Random(seed)
+
+    def hook(placement: Placement, counts_E: list[int]) -> Placement:
+        shards = []
+        for e, n in enumerate(counts_E):
+            if n == 0:
+                continue
+            cut = rng.randrange(0, n + 1) if n > 1 and rng.random() < 0.5 else n
+            for a, b in ((0, cut), (cut, n)):
+                if b > a:
+                    shards.append((e, rng.randrange(num_devices), a, b))
+        rng.shuffle(shards)
+        return Placement(raw_shards=shards, device_load=[0.0] * num_devices)
+
+    return hook

@@ -1,0 +1,231 @@
+"""Experts of a node's shared host store, computed wherever dynamic placement puts them.
+
+All local ranks attach to one `ExpertStore` in shared memory (tier 'host', shared_memory=True:
+`shared_expert_store` in the launching process, `ExpertStore.attach` in the ranks), so any rank
+can compute any expert and placement may change every iteration without moving weights.
+
+`SharedStoreExperts` is the expert container of one layer (no parameters). Called by the
+`DynamicPlacementDispatcher` as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`:
+- forward: the grouped FFN kernel on stacked zero-copy views of the fp32 masters in the store;
+- backward: per-expert weight gradients of the rows computed here. An expert placed whole on
+  this device is owned here: its gradient is added straight into the store's accumulator. A
+  split expert's partial gradients are summed over the group with one all-reduce of the split
+  experts' gradients (all ranks, same list), and its owner (the device of its first rows) adds
+  the sum. Exactly one rank writes each accumulator per pass, and the passes of successive
+  micro-batches are ordered by the collectives between them, so no two processes race.
+- `step_shared_experts(layers, group, ...)`: after backward, a barrier (nobody reads a master
+  after this until the fence), each rank steps with torch's AdamW the experts it owned in
+  the last pass (experts without rows: owner e % W), zeroes their accumulators, then a second
+  barrier: the cross-process fence. Every expert steps every iteration, as the offload
+  engine's HostOptimizer and torch.optim.AdamW on a stacked parameter do.
+
+Deliberately not done here (see docs/dynamic_placement.md): device copies through the offload
+DeviceCache (weights are read in place from host memory, which is what a CPU rank computes on;
+a GPU rank would upload them), the eager per-expert step overlapped with backward and
+per-expert cross-process fences (the barrier is a coarse fence), the disk tier.
+
+Legend: R rows on this device grouped by expert, D model width, F hidden width, E experts,
+P parameters of one expert, S split experts.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.adamw import adamw
+
+from moescale.layers.activations import Activation
+from moescale.layers.experts import GroupedExperts, compute_dtype
+from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward
+from moescale.layers.moe import MoE
+from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
+from moescale.parallel.all_to_all import collective_errors
+from moescale.parallel.dynamic import DynamicPlacementDispatcher
+from moescale.parallel.placement import PlacementConfig
+
+PARAM_NAMES = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")
+
+
+def grouped_layout(experts: GroupedExperts) -> ExpertLayout:
+    """The store layout of one GroupedExperts expert (the offload engine's order)."""
+    return ExpertLayout([(n, tuple(getattr(experts, n).shape[1:])) for n in PARAM_NAMES
+                         if getattr(experts, n) is not None])
+
+
+def shared_expert_store(moes: Sequence[MoE]) -> ExpertStore:
+    """A host store in shared memory holding the experts of `moes` (layer i = moes[i]),
+    initialised from their GroupedExperts. Hand `store.shared_state()` and `store.layouts`
+    to the local ranks, which call `ExpertStore.attach`."""
+    store = ExpertStore(StoreConfig(tier="host", shared_memory=True))
+    for moe in moes:
+        experts = moe.experts
+        if not isinstance(experts, GroupedExperts):
+            raise ValueError(f"shared_expert_store needs GroupedExperts; this layer has "
+                             f"{type(experts).__name__}")
+        params = [getattr(experts, n) for n in PARAM_NAMES if getattr(experts, n) is not None]
+        store.add_layer(grouped_layout(experts), experts.num_experts,
+                        lambda e, params=params: torch.cat(
+                            [p.detach()[e].reshape(-1).float() for p in params]))
+    return store
+
+
+class _SharedStoreFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, x_RD, layer: "SharedStoreExperts", counts: tuple,
+                owners: tuple, split: tuple, group):
+        w = layer.weights()
+        y_RD, h1_RF, h3_RF = ffn_forward(x_RD, counts, w, layer.act)
+        ctx.layer, ctx.counts, ctx.owners, ctx.split, ctx.group = layer, counts, owners, split, group
+        ctx.save_for_backward(x_RD, h1_RF, h3_RF)
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, gy_RD):
+        x_RD, h1_RF, h3_RF = ctx.saved_tensors
+        layer, counts = ctx.layer, ctx.counts
+        w = layer.weights()
+        dx_RD, gw, _ = ffn_backward(gy_RD.contiguous(), x_RD, h1_RF, h3_RF, counts, w,
+                                    layer.act, need_dx=ctx.needs_input_grad[1])
+        grads = [getattr(gw, n) for n in PARAM_NAMES if getattr(gw, n) is not None]
+        rank = dist.get_rank(ctx.group)
+        acc_EP = layer.grad_rows()
+
+        def flat(e: int) -> torch.Tensor:
+            return torch.cat([g[e].reshape(-1).float() for g in grads])
+
+        split = set(ctx.split)
+        for e, n in enumerate(counts):
+            if n and e not in split:
+                assert ctx.owners[e] == rank, (e, ctx.owners[e], rank)
+                acc_EP[e].add_(flat(e))
+        if ctx.split:
+            buf_SP = torch.zeros(len(ctx.split), layer.layout.numel, dtype=torch.float32)
+            for i, e in enumerate(ctx.split):
+                if counts[e]:
+                    buf_SP[i] = flat(e)
+            with collective_errors("split-expert gradient all-reduce", ctx.group):
+                dist.all_reduce(buf_SP, group=ctx.group)
+            for i, e in enumerate(ctx.split):
+                if ctx.owners[e] == rank:
+                    acc_EP[e].add_(buf_SP[i])
+        return None, dx_RD, None, None, None, None, None
+
+
+class SharedStoreExperts(nn.Module):
+    """All E FFN experts of one layer, read from (and accumulating into) a shared store."""
+
+    def __init__(self, store: ExpertStore, layer_index: int, d_model: int, d_ff: int,
+                 activation, glu: bool, bias: bool) -> None:
+        super().__init__()
+        self.store, self.layer_index = store, layer_index
+        self.layout = store.layouts[layer_index]
+        self.num_experts = store.num_experts[layer_index]
+        self.d_model, self.d_ff, self.glu, self.bias = d_model, d_ff, glu, bias
+        self.act = activation if isinstance(activation, Activation) else Activation(activation)
+        self.anchor = torch.empty(0, requires_grad=True)
+        self.owners_E: list[int] | None = None   # owners of the last pass (who steps)
+        data_E4P, _ = store.shared_state()[layer_index]
+        self._data_E4P = data_E4P
+
+    def weights(self) -> FFNWeights:
+        """Stacked zero-copy views of the fp32 masters ([E, ...] each)."""
+        master_EP = self._data_E4P[:, 0]
+        parts, off = {}, 0
+        for name, shape, size in zip(self.layout.names, self.layout.shapes, self.layout.sizes):
+            parts[name] = master_EP[:, off:off + size].view(self.num_experts, *shape)
+            off += size
+        return FFNWeights(*(parts.get(n) for n in PARAM_NAMES))
+
+    def grad_rows(self) -> torch.Tensor:
+        """The store's gradient accumulators [E, P] (a view)."""
+        return self._data_E4P[:, 1]
+
+    def forward_placed(self, x_RD: torch.Tensor, counts: Sequence[int], owners_E: list[int],
+                       split_experts: list[int], group) -> torch.Tensor:
+        if compute_dtype(x_RD) != torch.float32:
+            raise ValueError("SharedStoreExperts computes in fp32 on the host copy; run the "
+                             "MoE layer without autocast (bf16 device copies are not done yet)")
+        self.owners_E = list(owners_E)
+        anchor = self.anchor if torch.is_grad_enabled() else self.anchor.detach()
+        return _SharedStoreFn.apply(anchor, x_RD.float().contiguous(), self, tuple(counts),
+                                    tuple(owners_E), tuple(split_experts), group)
+
+    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        raise ValueError("SharedStoreExperts runs under a DynamicPlacementDispatcher "
+                         "(it needs the placement's owners); build the layer with "
+                         "dynamic_placement_moe()")
+
+    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+        """Expert e by plain ops, no gradient (for checks)."""
+        w = self.weights()
+        with torch.no_grad():
+            y, _, _ = ffn_forward(x_ND.float().contiguous(), (x_ND.shape[0],),
+                                  FFNWeights(*(None if t is None else t[e:e + 1] for t in
+                                               (w.w1_EDF, w.w2_EFD, w.w3_EDF, w.b1_EF,
+                                                w.b2_ED))), self.act)
+        return y
+
+    def master_state(self, e: int) -> dict[str, torch.Tensor]:
+        """Copies of expert e's fp32 master tensors."""
+        return {n: t.clone() for n, t in self.layout.split(self._data_E4P[e, 0]).items()}
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_index}, num_experts={self.num_experts}, "
+                f"d_model={self.d_model}, d_ff={self.d_ff}, shared host store")
+
+
+def dynamic_placement_moe(full: MoE, store: ExpertStore, layer_index: int, group,
+                          config: PlacementConfig | None = None, **dispatcher_options) -> MoE:
+    """A copy of `full` (same router weights) whose experts are layer `layer_index` of the
+    shared `store`, dispatched by a DynamicPlacementDispatcher over `group`."""
+    experts = full.experts
+    if not isinstance(experts, GroupedExperts):
+        raise ValueError(f"dynamic placement supports GroupedExperts; this layer has "
+                         f"{type(experts).__name__}")
+    config = config or PlacementConfig(num_devices=dist.get_world_size(group))
+    dispatcher = DynamicPlacementDispatcher(group, full.num_experts, config,
+                                            **dispatcher_options)
+    shared = SharedStoreExperts(store, layer_index, experts.d_model, experts.d_ff,
+                                experts.act, experts.glu, experts.b1_EF is not None)
+    weight = full.router.weight
+    moe = MoE(config=full.config, experts=shared, dispatcher=dispatcher,
+              device=weight.device, dtype=weight.dtype)
+    moe.router.load_state_dict(full.router.state_dict())
+    moe.train(full.training)
+    return moe
+
+
+def step_shared_experts(layers: Sequence[SharedStoreExperts], group, *, lr: float,
+                        betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                        grad_coef: float | None = None) -> int:
+    """Barrier, AdamW step of the experts this rank owns (every expert of every layer is
+    stepped by exactly one rank), zeroed accumulators, barrier. Returns how many this rank
+    stepped. Call it on every rank after the iteration's last backward."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    with collective_errors("barrier before the expert steps", group):
+        dist.barrier(group=group)
+    stepped = 0
+    for layer in layers:
+        owners = layer.owners_E or [-1] * layer.num_experts
+        mine = [e for e in range(layer.num_experts)
+                if (owners[e] if owners[e] >= 0 else e % size) == rank]
+        if not mine:
+            continue
+        recs = [layer.store.acquire((layer.layer_index, e)) for e in mine]
+        if grad_coef is not None:
+            for r in recs:
+                r.grad_P.mul_(grad_coef)
+        adamw([r.master_P for r in recs], [r.grad_P for r in recs],
+              [r.exp_avg_P for r in recs], [r.exp_avg_sq_P for r in recs], [],
+              [r.step_t for r in recs], fused=True, amsgrad=False, beta1=betas[0],
+              beta2=betas[1], lr=float(lr), weight_decay=weight_decay, eps=eps,
+              maximize=False)
+        for r in recs:
+            r.grad_P.zero_()
+        stepped += len(recs)
+    with collective_errors("expert step fence (barrier)", group):
+        dist.barrier(group=group)
+    return stepped

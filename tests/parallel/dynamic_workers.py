@@ -1,0 +1,96 @@
+"""Rank bodies for the dynamic-placement tests (run under moescale.parallel.launch.run_local).
+
+The parent builds, per case, the full single-process MoE from a fixed seed and a host
+ExpertStore in shared memory holding its experts; every rank rebuilds the same MoE and inputs,
+computes the single-process reference for the whole world (ep_workers' helpers), attaches to
+the shared store, runs its own tokens through a dynamic-placement layer and checks its output,
+its input gradient, the averaged router gradient and the store's accumulated expert gradients
+(summed over split shards by the owners) against the reference. The same case also runs with
+replicated GroupedExperts and `sum_expert_grads`. Loss convention as in ep_workers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from moescale.layers.moe import MoE
+from moescale.offload.store import ExpertStore, StoreConfig
+from moescale.parallel.dynamic import (DynamicPlacementDispatcher, random_placement_hook,
+                                       sum_expert_grads)
+from moescale.parallel.dynamic_experts import (PARAM_NAMES, dynamic_placement_moe,
+                                               shared_expert_store)
+from moescale.parallel.placement import PlacementConfig
+
+from ep_workers import _close, _full_moe, _inputs, _reference
+
+
+def build_store(case: dict):
+    """(shared state, layouts) of a store holding the case's experts (in the parent)."""
+    store = shared_expert_store([_full_moe(case)])
+    return store.shared_state(), store.layouts
+
+
+def _hook(case, world):
+    return random_placement_hook(case["seed"], world) if case.get("random") else None
+
+
+def _router_grad_mean(moe: MoE, world: int) -> torch.Tensor:
+    g = moe.router.weight.grad.clone()
+    dist.all_reduce(g)
+    return g / world
+
+
+def _check_outputs(case, moe, x, y, cs, y_ref, gx_ref, full, world, rank):
+    _close("output", y.detach(), y_ref[rank], case)
+    total = max(sum(c.shape[0] for c in cs), 1)
+    loss = world * (y * cs[rank]).sum() / total + moe.last_aux_loss
+    loss.backward()
+    _close("input grad", x.grad / world, gx_ref[rank], case)
+    _close("router grad", _router_grad_mean(moe, world), full.router.weight.grad, case)
+
+
+def check_dynamic(rank: int, world: int, cases: list[dict], stores: list) -> list:
+    """Each case: shared-store experts, then replicated experts; returns per case the
+    number of split experts and the max/mean modelled load the dispatcher reported."""
+    out = []
+    for case, (state, layouts) in zip(cases, stores):
+        full = _full_moe(case)
+        xs, cs = _inputs(case, world)
+        y_ref, gx_ref, _ = _reference(case, full, xs, cs, world)
+        config = PlacementConfig(num_devices=world, split=case.get("split", False))
+        # 1. experts in the shared host store
+        store = ExpertStore.attach(StoreConfig(tier="host", shared_memory=True), layouts, state)
+        moe = dynamic_placement_moe(full, store, 0, None, config,
+                                    placement_hook=_hook(case, world))
+        x = xs[rank].clone().requires_grad_(True)
+        y = moe(x)
+        stats = moe.dispatcher.stats
+        _check_outputs(case, moe, x, y, cs, y_ref, gx_ref, full, world, rank)
+        dist.barrier()   # every owner has accumulated
+        acc_EP = moe.experts.grad_rows()
+        for e in range(case["E"]):
+            got = moe.experts.layout.split(acc_EP[e])
+            for name in moe.experts.layout.names:
+                want = getattr(full.experts, name).grad
+                want = torch.zeros_like(got[name]) if want is None else want[e]
+                _close(f"store grad {name}[{e}]", got[name], want, case)
+        # 2. replicated parameter experts, partial gradients summed
+        experts = copy.deepcopy(full.experts)
+        experts.zero_grad(set_to_none=True)
+        rep = MoE(config=full.config, experts=experts,
+                  dispatcher=DynamicPlacementDispatcher(None, case["E"], config,
+                                                        placement_hook=_hook(case, world)))
+        rep.router.load_state_dict(full.router.state_dict())
+        x2 = xs[rank].clone().requires_grad_(True)
+        _check_outputs(case, rep, x2, rep(x2), cs, y_ref, gx_ref, full, world, rank)
+        sum_expert_grads(experts, None)
+        for name in PARAM_NAMES:
+            p = getattr(experts, name)
+            if p is not None:
+                _close(f"replicated grad {name}", p.grad, getattr(full.experts, name).grad,
+                       case)
+        out.append((case["name"], stats.num_split, stats.imbalance))
+    return out
