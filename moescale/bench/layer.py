@@ -262,7 +262,8 @@ def _versions() -> dict:
     return out
 
 
-def run(opts: LayerBenchOptions, argv: list[str], log=print) -> dict:
+def run(opts: LayerBenchOptions, argv: list[str], log=print, on_partial=None) -> dict:
+    """Run every (config, dtype); `on_partial(result)` gets the result so far after each."""
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but no CUDA device is available; use cpu")
@@ -287,13 +288,20 @@ def run(opts: LayerBenchOptions, argv: list[str], log=print) -> dict:
                 skipped += case_skipped
                 checks += check_targets(case_rows, case)
                 log(format_table(case_rows))
+                if on_partial is not None:
+                    on_partial(_result(opts, argv, device, started, rows, skipped, checks,
+                                       complete=False))
     finally:
         if created_group:
             import torch.distributed as dist
             dist.destroy_process_group()
+    return _result(opts, argv, device, started, rows, skipped, checks, complete=True)
+
+
+def _result(opts, argv, device, started, rows, skipped, checks, complete: bool) -> dict:
     floor_gemm = {d: impls.floor_gemm_name(torch.empty(1, dtype=DTYPES[d], device=device))
                   for d in opts.dtypes}
-    return dict(
+    return dict(complete=complete,
         benchmark="layer", hardware=hardware_tag(device), versions=_versions(),
         threads=torch.get_num_threads(), command="moescale bench layer " + " ".join(argv),
         options={k: v for k, v in asdict(opts).items()}, floor_gemm=floor_gemm,
@@ -340,7 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    result = run(opts, argv, log)
+    if opts.out:
+        path = Path(opts.out)
+    else:
+        suffix = "_quick" if opts.quick else ""
+        if opts.configs != list(CASES) or opts.dtypes != ["fp32", "bf16"]:
+            suffix += "_" + "-".join(opts.configs + opts.dtypes)
+        path = Path("benchmarks/results") / f"layer_{hardware_tag(torch.device(opts.device))}" \
+            f"{suffix}.json"
+    result = run(opts, argv, log, on_partial=lambda partial: write_json(path, partial))
     print("\n" + format_table(result["results"]))
     print("(* = measured on fewer tokens than the config; compare rows/s)")
     for s in result["skipped"]:
@@ -349,13 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     for c in result["targets"]:
         print(f"  [{'PASS' if c['ok'] else 'FAIL'}] {c['config']} {c['dtype']}: {c['what']}: "
               f"{c['value']:.3f}")
-    if opts.out:
-        path = Path(opts.out)
-    else:
-        suffix = "_quick" if opts.quick else ""
-        if opts.configs != list(CASES) or opts.dtypes != ["fp32", "bf16"]:
-            suffix += "_" + "-".join(opts.configs + opts.dtypes)
-        path = Path("benchmarks/results") / f"layer_{result['hardware']}{suffix}.json"
     write_json(path, result)
     print(f"\nwrote {path}")
     return 0

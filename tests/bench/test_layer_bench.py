@@ -1,0 +1,88 @@
+"""`moescale bench layer` machinery on a tiny case: every implementation runs the same work.
+
+Not a speed test (speed lives in the benchmark's own output): checks that the floor, moescale
+and the peers are built on the same weights (Hugging Face's output equals moescale's), that
+rows, saved-activation bytes and target records are filled in, that the tables render and the
+JSON is written, and that the bench CLI rejects an unknown benchmark with a ValueError.
+DeepSpeed is an optional peer (not a project dependency): its test is skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moescale.bench import cli, layer
+from moescale.bench.layer_impls import ensure_process_group
+from moescale.bench.measure import SavedBytes, hardware_tag, write_json
+
+TINY = layer.LayerCase(d_model=16, d_ff=32, num_experts=4, top_k=2, num_tokens=32)
+
+
+def run_tiny(peers, dtype="fp32"):
+    opts = layer.LayerBenchOptions(peers=peers, repeats=1, dtypes=[dtype])
+    return layer.run_case("tiny", TINY, dtype, opts, log=lambda msg: None)
+
+
+def test_floor_and_moescale_rows_saved_bytes_and_targets():
+    rows, skipped = run_tiny([])
+    assert not skipped
+    names = [r["impl"] for r in rows]
+    assert names == ["floor: 1 dense FFN", "floor: 4 FFNs, even split", "moescale"]
+    ours = rows[2]
+    assert ours["rows"] == TINY.num_tokens * TINY.top_k and ours["runs"] == 1
+    assert ours["saved_bytes"] > 0 and 0.9 < ours["saved_ratio"] < 1.5
+    assert max(r["ratio_to_floor"] for r in rows if r["family"] == "floor") == 1.0
+    checks = layer.check_targets(rows, TINY)
+    assert checks[0]["what"].startswith("moescale >= 0.93 x floor")
+    table, md = layer.format_table(rows), layer.format_markdown(rows)
+    assert "moescale" in table and md.count("\n") == len(rows) + 1
+
+
+def test_hf_peers_get_moescales_weights():
+    pytest.importorskip("transformers")
+    rows, skipped = run_tiny(["hf"])
+    assert not skipped
+    hf = [r for r in rows if r["impl"].startswith("hf mixtral")]
+    assert {r["impl"] for r in hf} == {"hf mixtral (eager)", "hf mixtral (grouped_mm)",
+                                       "hf mixtral (batched_mm)"}
+    for r in hf:
+        assert r["max_abs_diff"] < 1e-5, r
+
+
+@pytest.mark.timeout(240)
+def test_deepspeed_peer_counts_kept_rows():
+    pytest.importorskip("deepspeed")
+    created = ensure_process_group()
+    try:
+        rows, skipped = run_tiny(["deepspeed"])
+    finally:
+        if created:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    ds = {r["impl"]: r for r in rows if r["impl"].startswith("deepspeed")}
+    assert ds["deepspeed-moe (cf 1)"]["rows"] <= TINY.num_tokens * TINY.top_k
+    assert ds["deepspeed-moe (cf 2)"]["rows"] >= ds["deepspeed-moe (cf 1)"]["rows"]
+
+
+def test_saved_bytes_count_each_storage_once_and_skip_parameters():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedBytes(exclude=[w]) as probe:
+        y = (x @ w) * x.sum()
+    # mm saves x (and w, a parameter); mul saves x @ w and the 0-d sum: 128 + 128 + 4 bytes
+    assert probe.nbytes == 4 * 8 * 4 + 4 * 8 * 4 + 4
+    del y
+
+
+def test_json_and_cli(tmp_path):
+    path = tmp_path / "sub" / f"layer_{hardware_tag(torch.device('cpu'))}.json"
+    write_json(path, {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]   # no temp file left
+    with pytest.raises(ValueError, match="unknown"):
+        cli.main(["nope"])
+    with pytest.raises(ValueError, match="--configs"):
+        layer.LayerBenchOptions(configs=["d7"])
