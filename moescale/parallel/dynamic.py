@@ -211,7 +211,8 @@ class DynamicPlacementDispatcher:
         local = torch.tensor(counts, dtype=torch.int64, device=device)
         out = torch.empty(self.size * self.num_experts, dtype=torch.int64, device=device)
         with collective_errors("counts all-gather", self.group):
-            dist.all_gather_into_tensor(out, local, group=self.group)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(out, local, group=self.group)
         flat = out.tolist()
         E = self.num_experts
         return [flat[s * E:(s + 1) * E] for s in range(self.size)]

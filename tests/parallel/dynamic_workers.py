@@ -94,3 +94,79 @@ def check_dynamic(rank: int, world: int, cases: list[dict], stores: list) -> lis
                        case)
         out.append((case["name"], stats.num_split, stats.imbalance))
     return out
+
+
+def _tiny_gpt():
+    from moescale.models import gpt_config
+    from moescale.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", n_layers=2, d_model=32, n_heads=2, d_ff=64, seq_len=32))
+
+
+def gpt_store():
+    """(shared state, layouts) of the tiny GPT's experts (in the parent)."""
+    store = shared_expert_store([m for m in _tiny_gpt().modules() if isinstance(m, MoE)])
+    return store.shared_state(), store.layouts
+
+
+def train_dynamic(rank: int, world: int, steps: int, state, layouts, placement: str) -> list:
+    """The tiny GPT trained with dynamic placement over a shared store on W ranks (AdamW for
+    dense and experts) and, on every rank, single-process offloaded training of the full
+    batch: the losses (ranks' mean) agree step by step and the final expert masters match."""
+    from moescale.offload import OffloadConfig, offload_moe
+    from moescale.parallel.dynamic_experts import step_shared_experts
+
+    single = _tiny_gpt()
+    dyn = copy.deepcopy(single)
+    engine = offload_moe(single, OffloadConfig(tier="host", device="cpu"))
+    store = ExpertStore.attach(StoreConfig(tier="host", shared_memory=True), layouts, state)
+    index = 0
+    for module in list(dyn.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, MoE):
+                hook = random_placement_hook(index, world) if placement == "random" else None
+                setattr(module, name, dynamic_placement_moe(
+                    child, store, index, None, PlacementConfig(num_devices=world, split=True),
+                    placement_hook=hook))
+                index += 1
+    layers = [m.experts for m in dyn.modules() if isinstance(m, MoE)]
+    hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opts = [torch.optim.AdamW(m.parameters(), **hp) for m in (single, dyn)]
+    engine.follow(opts[0])
+    gen = torch.Generator().manual_seed(7)
+    batch, seq = 2 * world, 32
+    losses, imbalance, num_split = [], [], 0
+    for _ in range(steps):
+        data = torch.randint(0, 256, (batch, seq + 1), generator=gen)
+        idx, tgt = data[:, :-1], data[:, 1:]
+        engine.begin_micro_batch(last=True)
+        _, loss_single = single(idx, tgt)
+        loss_single.backward()
+        engine.step()
+        opts[0].step()
+        opts[0].zero_grad()
+        mine = slice(rank * batch // world, (rank + 1) * batch // world)
+        _, loss_dyn = dyn(idx[mine], tgt[mine])
+        loss_dyn.backward()
+        for p in dyn.parameters():    # dense (replicated) gradients: mean over ranks
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        step_shared_experts(layers, None, **hp)
+        opts[1].step()
+        opts[1].zero_grad()
+        mean_loss = loss_dyn.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append((loss_single.item(), mean_loss.item() / world))
+        moes = [m for m in dyn.modules() if isinstance(m, MoE)]
+        imbalance.append(max(m.dispatcher.stats.imbalance for m in moes))
+        num_split += sum(m.dispatcher.stats.num_split for m in moes)
+    engine.synchronize()
+    for layer in layers:
+        for e in range(layer.num_experts):
+            want = engine.expert_state(layer.layer_index, e)
+            for name, got in layer.master_state(e).items():
+                _close(f"master {name} of expert {e}", got, want[name],
+                       dict(name="train"))
+    engine.close()
+    return losses, imbalance, num_split

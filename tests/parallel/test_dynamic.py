@@ -78,3 +78,25 @@ def test_row_layout_covers_every_row_under_a_random_placement():
             perm = lays[r].expert_perm_S
             if perm is not None:
                 assert torch.equal(perm.sort().values, torch.arange(perm.numel()))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("placement", ["lpt", "random"])
+def test_training_equals_single_process_offloaded(placement):
+    """20 AdamW steps of a tiny GPT on 2 ranks (LPT + split; random placements that split
+    experts at random points) equal single-process offloaded training."""
+    from dynamic_workers import gpt_store, train_dynamic
+
+    state, layouts = gpt_store()
+    steps = 20
+    results = run_local(train_dynamic, 2, (steps, state, layouts, placement), timeout_s=30,
+                        deadline_s=80)
+    losses, imbalance, num_split = results[0].value
+    assert [r.value for r in results[1:]] == [results[0].value]
+    assert len(losses) == steps
+    for single, dyn in losses:
+        assert abs(single - dyn) <= 1e-4 * abs(single), losses
+    assert losses[-1][0] < losses[0][0]      # it trains
+    assert all(i >= 1.0 for i in imbalance)
+    if placement == "random":
+        assert num_split > 0
