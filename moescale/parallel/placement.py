@@ -15,9 +15,10 @@ step (the caller's job). This file only plans: it moves no tensors and calls no 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -51,17 +52,32 @@ class Shard(NamedTuple):
     row_stop: int
 
 
-@dataclass
 class Placement:
     """The plan of one iteration: shards in placement order and the modelled device loads.
 
     `raw_shards` holds plain (expert, device, row_start, row_stop) tuples (cheap to build in
-    the hot loop); `shards` gives them as named `Shard`s.
+    the hot loop); `shards` gives them as named `Shard`s, `experts_on_device` per device the
+    experts it computes (derived on first use).
     """
 
-    raw_shards: list[tuple[int, int, int, int]]
-    device_load: list[float]
-    experts_on_device: list[list[int]] = field(default_factory=list)
+    __slots__ = ("raw_shards", "device_load", "_held")
+
+    def __init__(self, raw_shards: list[tuple[int, int, int, int]], device_load: list[float],
+                 experts_on_device: list[list[int]] | None = None) -> None:
+        self.raw_shards, self.device_load, self._held = raw_shards, device_load, \
+            experts_on_device
+
+    def __repr__(self) -> str:
+        return f"Placement(raw_shards={self.raw_shards!r}, device_load={self.device_load!r})"
+
+    @property
+    def experts_on_device(self) -> list[list[int]]:
+        if self._held is None:
+            held: list[list[int]] = [[] for _ in self.device_load]
+            for e, d, _, _ in self.raw_shards:
+                held[d].append(e)
+            self._held = held
+        return self._held
 
     @property
     def shards(self) -> list[Shard]:
@@ -77,36 +93,111 @@ class Placement:
         return [Shard(*s) for s in self.raw_shards if s[0] == expert]
 
 
-def _split_sizes(rows: int, parts: int) -> list[int]:
-    base, extra = divmod(rows, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
 def plan_placement(counts: list[int], config: PlacementConfig,
                    resident: list[set[int]] | None = None) -> Placement:
     """Assign every expert with rows (and experts without, nowhere) to devices by greedy LPT.
 
     counts:   rows per expert this iteration (all-gathered and summed over ranks).
     resident: per device, the experts already in its cache (affinity: no upload cost there).
+
+    Speed: items are ordered by one key sort of indices (stable, so ties keep expert and row
+    order); without a cap or affinity the greedy loop is one `heapreplace` per item, with
+    loads kept in rows and scaled by row_cost at the end (the same order as scaling each item:
+    row_cost is uniform).
     """
     num_devices = config.num_devices
     if resident is not None and len(resident) != num_devices:
         raise ValueError(f"resident has {len(resident)} entries but num_devices={num_devices}")
-    row_cost = config.row_cost
-    target = sum(counts) / num_devices
-    items: list[tuple[int, int, int, int]] = []   # (-rows, expert, row_start, row_stop)
-    for e, n in enumerate(counts):
+    total = sum(counts)
+    target = total / num_devices
+    order = sorted(range(len(counts)), key=counts.__getitem__, reverse=True)
+    fast = config.max_experts_per_device is None and not (config.upload_cost and resident)
+    hot = config.split and bool(order) and counts[order[0]] > target
+    if fast and not hot:
+        return _lpt_whole(order, counts, num_devices, config.row_cost)
+    items = []
+    for e in order:
+        n = counts[e]
         if n <= 0:
-            continue
-        if config.split and n > target:
-            start = 0
-            for size in _split_sizes(n, min(num_devices, math.ceil(n / target))):
-                items.append((-size, e, start, start + size))
-                start += size
-        else:
-            items.append((-n, e, 0, n))
-    items.sort()
+            break
+        items.append((n, e, 0, n))
+    if hot:
+        items = _split_items(items, target, num_devices)
+    if fast:
+        return _greedy_fast(items, counts, num_devices, config.row_cost)
     return _greedy(items, counts, config, resident)
+
+
+def _lpt_whole(order, counts, num_devices: int, row_cost: float) -> Placement:
+    """The common case (no split, cap or affinity): one heapreplace per expert with rows."""
+    heap = [(0, d) for d in range(num_devices)]
+    shards: list[tuple[int, int, int, int]] = []
+    append, heapreplace = shards.append, heapq.heapreplace
+    for e in order:
+        n = counts[e]
+        if n <= 0:
+            break
+        load, d = heap[0]
+        heapreplace(heap, (load + n, d))
+        append((e, d, 0, n))
+    loads = [0.0] * num_devices
+    for load, d in heap:
+        loads[d] = load * row_cost
+    return Placement(shards, loads)
+
+
+def _split_items(items, target: float, num_devices: int):
+    """Replace the experts heavier than `target` (the first items) by near-equal row pieces,
+    merged into the order (rows descending, then expert id, then first row)."""
+    num_hot = 0
+    while num_hot < len(items) and items[num_hot][0] > target:
+        num_hot += 1
+    pieces = []
+    for n, e, _, _ in items[:num_hot]:
+        parts = min(num_devices, math.ceil(n / target))
+        base, extra = divmod(n, parts)
+        start = 0
+        for i in range(parts):
+            size = base + 1 if i < extra else base
+            pieces.append((size, e, start, start + size))
+            start += size
+    pieces.sort(key=_order_key)
+    rest = items[num_hot:]
+    for piece in reversed(pieces):   # largest last: each insert lands before later ones
+        rest.insert(bisect.bisect_left(rest, _order_key(piece), key=_order_key), piece)
+    return rest
+
+
+def _order_key(item):
+    return -item[0], item[1], item[2]
+
+
+def _greedy_fast(items, counts, num_devices: int, row_cost: float) -> Placement:
+    """LPT without caps or affinity: a heap of (rows, device), ties to the lower device id;
+    pieces of one split expert go to distinct devices."""
+    heap = [(0, d) for d in range(num_devices)]
+    shards: list[tuple[int, int, int, int]] = []
+    append, heapreplace = shards.append, heapq.heapreplace
+    devices_of: dict[int, list[int]] = {}
+    for n, e, start, stop in items:
+        if stop - start == counts[e]:
+            load, d = heap[0]
+            heapreplace(heap, (load + n, d))
+        else:
+            taken = devices_of.setdefault(e, [])
+            aside = []
+            while heap[0][1] in taken:     # at most num_devices - 1 pieces are placed
+                aside.append(heapq.heappop(heap))
+            load, d = heap[0]
+            heapreplace(heap, (load + n, d))
+            for entry in aside:
+                heapq.heappush(heap, entry)
+            taken.append(d)
+        append((e, d, start, stop))
+    loads = [0.0] * num_devices
+    for load, d in heap:
+        loads[d] = load * row_cost
+    return Placement(shards, loads)
 
 
 def _greedy(items, counts, config: PlacementConfig, resident) -> Placement:
@@ -124,8 +215,8 @@ def _greedy(items, counts, config: PlacementConfig, resident) -> Placement:
     shards: list[tuple[int, int, int, int]] = []
     devices_of: dict[int, list[int]] = {}
     heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    for neg_rows, e, start, stop in items:
-        neg_load = neg_rows * row_cost
+    for rows, e, start, stop in items:
+        neg_load = -rows * row_cost
         piece = stop - start < counts[e]
         taken, aside = (devices_of.setdefault(e, []), []) if piece else ((), ())
         while piece and heap and heap[0][1] in taken:
