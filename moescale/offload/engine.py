@@ -183,9 +183,10 @@ class OffloadEngine:
             self._trace.append((layer, order))
         self.cache.observe(layer, counts)
         if self.store.config.tier == "disk":
-            upcoming = [(layer, e) for e in order] + self._backward_keys()
-            self.store.set_upcoming(upcoming)
-            self.store.prefetch(upcoming)
+            # no prefetch: the forward reads only master rows, on the copy thread, one
+            # expert ahead; whole records are worth loading for backward, in its order
+            self.store.set_upcoming([(layer, e) for e in order] + self._backward_keys(),
+                                    keep=self.optimizer.pending)
         return order
 
     def backward_order(self, layer: int, forward_order: list[int], last: bool) -> list[int]:
@@ -200,7 +201,8 @@ class OffloadEngine:
             uses = 3 if last and self.config.step_mode == "eager" else 2
             upcoming = [(layer, e) for e in order for _ in range(uses)] + \
                 self._backward_keys()
-            self.store.set_upcoming(upcoming)
+            # uses by gradient work still queued on the optimizer come first
+            self.store.set_upcoming(upcoming, keep=self.optimizer.pending)
             self.store.prefetch(upcoming)
         return order
 

@@ -100,6 +100,11 @@ class HostOptimizer:
                 self._stepped.add(key)
         return future
 
+    def pending(self, key: Key) -> bool:
+        """Whether a task of this expert is queued or running."""
+        task = self._last_task.get(key)
+        return task is not None and not task.done()
+
     def step_fence(self, key: Key) -> Future | None:
         return self._step_fence.get(key)
 

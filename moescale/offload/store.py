@@ -298,10 +298,12 @@ class ExpertStore:
             self.versions[key] += 1
 
     # ----------------------------------------------------------------- disk-tier cache
-    def set_upcoming(self, keys: Sequence[Key]) -> None:
-        """The expected order of the next accesses (for eviction and prefetch)."""
+    def set_upcoming(self, keys: Sequence[Key], keep=None) -> None:
+        """The expected order of the next accesses (for eviction and prefetch). Accesses of
+        the old list for which keep(key) is true (work already queued) stay in front."""
         with self._lock:
-            self._upcoming = deque(keys)
+            kept = [k for k in self._upcoming if keep(k)] if keep is not None else []
+            self._upcoming = deque(kept + list(keys))
 
     def prefetch(self, keys: Sequence[Key]) -> None:
         """Start reads of `keys` (in order) while the cache has room without evicting an

@@ -153,3 +153,34 @@ def test_config_errors():
 def test_cache_smaller_than_two_records_is_refused(tmp_path):
     with pytest.raises(ValueError, match="host_cache_bytes"):
         make("disk", tmp_path, cache_records=1)
+
+
+def test_disk_tier_moves_each_record_about_once_per_step(tmp_path):
+    """After routing the schedule is known: a training step reads each expert's master once
+    for the forward and its record once for backward + step, and writes each record once."""
+    import copy as _copy
+
+    from equivalence_models import batches, make_model
+    from moescale.offload import OffloadConfig, offload_moe
+
+    model = _copy.deepcopy(make_model())
+    record = 4 * 4 * (16 * 32 * 2)
+    engine = offload_moe(model, OffloadConfig(tier="disk", directory=str(tmp_path),
+                                              host_cache_bytes=3 * record,
+                                              device_budget_experts=3))
+    opt = torch.optim.AdamW(model.parameters())
+    engine.follow(opt)
+    store = engine.store
+    for step in range(3):
+        read0, written0 = store.bytes_read, store.bytes_written
+        (idx, tgt), = batches(step, 1)
+        model(idx, tgt)[1].backward()
+        engine.step()
+        opt.step()
+        opt.zero_grad()
+        engine.synchronize()
+        store.flush()
+    num = 8  # 2 layers x 4 experts
+    assert store.bytes_read - read0 <= num * (record + record // 4)
+    assert store.bytes_written - written0 <= num * record
+    engine.close()
