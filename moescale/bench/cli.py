@@ -13,6 +13,7 @@ BENCHMARKS = {
               "one MoE layer, forward + backward, vs the GEMM floor, HF Mixtral, DeepSpeed-MoE"),
     "quality": ("moescale.bench.quality",
                 "MoE GPT vs a dense GPT with the same active parameters, equal training time"),
+    "placement": ("moescale.bench.placement", "device load of static placement, LPT, LPT + split"),
 }
 
 
