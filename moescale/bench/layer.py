@@ -354,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         suffix = "_quick" if opts.quick else ""
         if opts.configs != list(CASES) or opts.dtypes != ["fp32", "bf16"]:
             suffix += "_" + "-".join(opts.configs + opts.dtypes)
+        if not opts.peers:
+            suffix += "_nopeers"
         path = Path("benchmarks/results") / f"layer_{hardware_tag(torch.device(opts.device))}" \
             f"{suffix}.json"
     result = run(opts, argv, log, on_partial=lambda partial: write_json(path, partial))
