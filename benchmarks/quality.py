@@ -1,6 +1,6 @@
 """MoE vs dense at equal active parameters and equal training time; see moescale/bench/quality.py.
 
-Same as `moescale bench quality [options]`; writes benchmarks/results/quality-<hardware>.json.
+Same as `moescale bench quality [options]`; writes benchmarks/results/quality_<hardware>.json.
 """
 
 import sys

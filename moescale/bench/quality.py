@@ -14,7 +14,7 @@ the two are trained interleaved, one step of each in turn (so load from other pr
 both alike), and each stops once its own measured training time reaches the budget; the
 learning rate warms up over the first steps, then follows a cosine over the fraction of the
 time budget used (the step count is not known in advance). Validation loss is measured at the
-end on the same fixed windows. Writes `benchmarks/results/quality-<hardware>.json`.
+end on the same fixed windows. Writes `benchmarks/results/quality_<hardware>.json`.
 
 FastMoE and ES-MoE both report the MoE winning at equal compute; this measures whether we do,
 at this scale. This file only orchestrates `moescale.train`; it adds no training logic.
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: auto, the CPUs the load leaves free)")
     parser.add_argument("--out", default="benchmarks/results",
-                        help="folder for quality-<hardware>.json")
+                        help="folder for quality_<hardware>.json")
     args = parser.parse_args(argv)
     if not args.seconds > 0:
         raise ValueError(f"--seconds={args.seconds} must be > 0")
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe_wins": moe["val_loss"] < dense["val_loss"],
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    path = Path(args.out) / f"quality-{payload['hardware']}.json"
+    path = Path(args.out) / f"quality_{payload['hardware']}.json"
     _write_json(path, payload)
     for name, r in (("moe", moe), ("dense", dense)):
         print(f"{name:<6} val loss {r['val_loss']:.4f}  train loss {r['train_loss_last20']:.4f}  "
