@@ -131,3 +131,10 @@ def test_sigint_saves_a_checkpoint_and_resume_continues_exactly(tmp_path):
                 for r in read_metrics(d / "metrics.jsonl")]
     assert losses(run_dir) == losses(straight_dir)
     assert len(losses(run_dir)) == until
+
+
+def test_info_reports_versions_devices_memory_and_disk(capsys):
+    assert moescale_main(["info"]) == 0
+    out = capsys.readouterr().out
+    for key in ("moescale:", "torch:", "devices:", "cpus:", "ram_total:", "disk_free_cwd:"):
+        assert key in out
