@@ -167,7 +167,7 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
         overlapped = [compute, upload + download]
         if mode == "disk":
             cache = b.host_cache_bytes if b.host_cache_bytes is not None else b.host_bytes // 2
-            host, disk = cache, host_state
+            host, disk = min(cache, host_state), host_state
             resident_records = min(L * E, cache // (16 * P))
             moved = mb * (L * E - resident_records) * 16 * P
             parts["disk_s"] = moved / r.disk_read_bytes_per_s + moved / r.disk_write_bytes_per_s
