@@ -187,7 +187,8 @@ class OffloadedExpertsBase(nn.Module):
     def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
         """Expert e from its fp32 master (no gradient; for checks against the reference)."""
         with torch.no_grad():
-            y_ND, _ = self.run_expert(e, x_ND.float(), self.master(e), keep_hidden=False)
+            y_ND, _ = self.run_expert(e, x_ND.float(), self.master(e).to(x_ND.device),
+                                      keep_hidden=False)
         return y_ND.to(x_ND.dtype)
 
 

@@ -85,7 +85,8 @@ class OffloadedModuleExperts(OffloadedExpertsBase):
     def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return functional_call(self._modules_list[e],
-                                   self.layout.split(self.master(e).to(x_ND.dtype)), (x_ND,))
+                                   self.layout.split(self.master(e).to(x_ND.device,
+                                                                       x_ND.dtype)), (x_ND,))
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_index}, num_experts={self.num_experts}, modules, offloaded"
