@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from moescale.atomic import atomic_path
 
 FORMAT_NAME = "moescale-consolidated"
 FORMAT_VERSION = "1"
@@ -101,19 +102,6 @@ def _dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return stored, aliases
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str | os.PathLike, model_or_state: nn.Module | Mapping[str, torch.Tensor],
                     *, metadata: Mapping[str, Any] | None = None) -> None:
     """Write the consolidated checkpoint of a model (or a full state dict) to `path` atomically.
@@ -133,21 +121,8 @@ def save_checkpoint(path: str | os.PathLike, model_or_state: nn.Module | Mapping
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
               "expert_keys": json.dumps(expert_keys(state)), "aliases": json.dumps(aliases),
               "user": user}
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
-    os.close(fd)
-    try:
-        save_file(stored, tmp, metadata=header)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
+    with atomic_path(path) as tmp:
+        save_file(stored, str(tmp), metadata=header)
 
 
 def read_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu"

@@ -26,6 +26,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from moescale.atomic import atomic_path
+
 _NAME = re.compile(r"ckpt_(\d{8})\.safetensors")
 
 
@@ -56,19 +58,6 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
                     state: dict, keep_last: int) -> Path:
     """Write `ckpt_<step>` atomically, then drop all but the newest `keep_last`."""
@@ -85,16 +74,8 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Te
     state_json = json.dumps(state, sort_keys=True)
     meta = {"state": state_json, "sha256": _digest(state_json, tensors), "format": "moescale/1"}
     final = checkpoint_path(ckpt_dir, step)
-    tmp = ckpt_dir / f".{final.name}.tmp{os.getpid()}"
-    try:
+    with atomic_path(final) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(ckpt_dir)
     for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return final

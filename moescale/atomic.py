@@ -1,0 +1,63 @@
+"""Atomic file writes: nothing a user saved is ever half-written or lost to a crash.
+
+`atomic_path(final)` hands out a temporary path in the same directory; when the block ends
+without an exception the file is fsynced, renamed over `final` with `os.replace` (atomic on
+POSIX and Windows) and the directory is fsynced, so either the old or the new file exists,
+whole. On an exception the temporary file is removed and `final` is untouched. This module
+does not decide formats; callers write whatever they like to the temporary path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a rename inside it survives a power loss (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside `final`; publish it atomically if the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(final.parent)
+
+
+def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(final) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(final: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(final, text.encode())
+
+
+def atomic_write_json(final: str | os.PathLike, payload: Any, indent: int | None = 1) -> None:
+    atomic_write_text(final, json.dumps(payload, indent=indent) + "\n")
