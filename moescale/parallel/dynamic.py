@@ -26,9 +26,10 @@ rows run on several devices: its partial gradients must be summed (SharedStoreEx
 in backward; for replicated parameter experts call `sum_expert_grads`).
 
 Load model: placing expert e on device d costs rows * row_cost (+ upload_cost when e is not
-resident in d's cache); `expert_row_flops` gives row_cost for an FFN expert. After each call
-`dispatcher.stats` holds the modelled per-device loads, max/mean and the number of split
-experts, for the trainer to log.
+resident in d's cache: affinity); `load_model_config` builds it in seconds from an FFN
+expert's FLOPs and measured device rates. After each call `dispatcher.stats` holds the
+modelled per-device loads, max/mean and the number of split experts; `placement_stats(model)`
+condenses them over a model's layers for the trainer to log.
 
 Not here: the expert math and the optimizer step (dynamic_experts.py), overlap of the
 exchanges with compute, and placement across nodes (within a node only).
@@ -53,8 +54,42 @@ from moescale.parallel.placement import Placement, PlacementConfig, plan_placeme
 
 
 def expert_row_flops(d_model: int, d_ff: int, glu: bool = False) -> float:
-    """Forward FLOPs of one row through one FFN expert (the load model's row cost)."""
+    """Forward FLOPs of one row through one FFN expert."""
     return 2.0 * d_model * d_ff * (3 if glu else 2)
+
+
+def load_model_config(num_devices: int, d_model: int, d_ff: int, *, glu: bool = False,
+                      flops_per_s: float, upload_bytes_per_s: float | None = None,
+                      bytes_per_param: int = 2, split: bool = True,
+                      max_experts_per_device: int | None = None) -> PlacementConfig:
+    """The load model in seconds: a row costs forward + backward (3x forward) FLOPs of one
+    expert at `flops_per_s`; an expert not resident in a device's cache costs its weights'
+    upload at `upload_bytes_per_s` (None: no upload cost). Pass the devices' cached experts
+    as `resident` to the dispatcher for affinity."""
+    if not flops_per_s > 0 or (upload_bytes_per_s is not None and not upload_bytes_per_s > 0):
+        raise ValueError(f"flops_per_s={flops_per_s!r} and upload_bytes_per_s="
+                         f"{upload_bytes_per_s!r} must be > 0 (measured device rates)")
+    params = d_model * d_ff * (3 if glu else 2)
+    upload = 0.0 if upload_bytes_per_s is None else params * bytes_per_param / upload_bytes_per_s
+    return PlacementConfig(num_devices=num_devices, split=split,
+                           max_experts_per_device=max_experts_per_device,
+                           row_cost=3 * expert_row_flops(d_model, d_ff, glu) / flops_per_s,
+                           upload_cost=upload)
+
+
+def placement_stats(model: torch.nn.Module) -> dict[str, float]:
+    """Per-iteration numbers for the trainer's log, over the model's dynamic-placement
+    layers: the worst layer's max/mean modelled device load, and the sums of the layers'
+    max and mean loads (empty when no layer uses dynamic placement or none ran yet)."""
+    stats = [m.dispatcher.stats for m in model.modules()
+             if isinstance(getattr(m, "dispatcher", None), DynamicPlacementDispatcher)
+             and m.dispatcher.stats is not None]
+    if not stats:
+        return {}
+    return {"placement_max_over_mean": max(s.imbalance for s in stats),
+            "placement_max_load": sum(s.max_load for s in stats),
+            "placement_mean_load": sum(s.mean_load for s in stats),
+            "placement_split_experts": float(sum(s.num_split for s in stats))}
 
 
 @dataclass

@@ -78,7 +78,8 @@ class _SharedStoreFn(torch.autograd.Function):
                 owners: tuple, split: tuple, group):
         w = layer.weights()
         y_RD, h1_RF, h3_RF = ffn_forward(x_RD, counts, w, layer.act)
-        ctx.layer, ctx.counts, ctx.owners, ctx.split, ctx.group = layer, counts, owners, split, group
+        ctx.layer, ctx.counts, ctx.group = layer, counts, group
+        ctx.owners, ctx.split = owners, split
         ctx.save_for_backward(x_RD, h1_RF, h3_RF)
         return y_RD
 

@@ -111,7 +111,7 @@ def plan_placement(counts: list[int], config: PlacementConfig,
     total = sum(counts)
     target = total / num_devices
     order = sorted(range(len(counts)), key=counts.__getitem__, reverse=True)
-    fast = config.max_experts_per_device is None and not (config.upload_cost and resident)
+    fast = config.max_experts_per_device is None and not config.upload_cost
     hot = config.split and bool(order) and counts[order[0]] > target
     if fast and not hot:
         return _lpt_whole(order, counts, num_devices, config.row_cost)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from moescale.layers.moe import MoE
 from moescale.offload.store import ExpertStore, StoreConfig
-from moescale.parallel.dynamic import (DynamicPlacementDispatcher, random_placement_hook,
-                                       sum_expert_grads)
+from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
+                                       random_placement_hook, sum_expert_grads)
 from moescale.parallel.dynamic_experts import (PARAM_NAMES, dynamic_placement_moe,
                                                shared_expert_store)
 from moescale.parallel.placement import PlacementConfig
@@ -60,11 +60,14 @@ def check_dynamic(rank: int, world: int, cases: list[dict], stores: list) -> lis
         full = _full_moe(case)
         xs, cs = _inputs(case, world)
         y_ref, gx_ref, _ = _reference(case, full, xs, cs, world)
-        config = PlacementConfig(num_devices=world, split=case.get("split", False))
+        config = PlacementConfig(num_devices=world, split=case.get("split", False),
+                                 upload_cost=5.0 if case.get("affinity") else 0.0)
+        options = dict(placement_hook=_hook(case, world))
+        if case.get("affinity"):   # device d caches experts d and d + W (same on every rank)
+            options["resident"] = lambda: [{d, d + world} for d in range(world)]
         # 1. experts in the shared host store
         store = ExpertStore.attach(StoreConfig(tier="host", shared_memory=True), layouts, state)
-        moe = dynamic_placement_moe(full, store, 0, None, config,
-                                    placement_hook=_hook(case, world))
+        moe = dynamic_placement_moe(full, store, 0, None, config, **options)
         x = xs[rank].clone().requires_grad_(True)
         y = moe(x)
         stats = moe.dispatcher.stats
@@ -81,8 +84,7 @@ def check_dynamic(rank: int, world: int, cases: list[dict], stores: list) -> lis
         experts = copy.deepcopy(full.experts)
         experts.zero_grad(set_to_none=True)
         rep = MoE(config=full.config, experts=experts,
-                  dispatcher=DynamicPlacementDispatcher(None, case["E"], config,
-                                                        placement_hook=_hook(case, world)))
+                  dispatcher=DynamicPlacementDispatcher(None, case["E"], config, **options))
         rep.router.load_state_dict(full.router.state_dict())
         x2 = xs[rank].clone().requires_grad_(True)
         _check_outputs(case, rep, x2, rep(x2), cs, y_ref, gx_ref, full, world, rank)
@@ -158,9 +160,9 @@ def train_dynamic(rank: int, world: int, steps: int, state, layouts, placement: 
         mean_loss = loss_dyn.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append((loss_single.item(), mean_loss.item() / world))
-        moes = [m for m in dyn.modules() if isinstance(m, MoE)]
-        imbalance.append(max(m.dispatcher.stats.imbalance for m in moes))
-        num_split += sum(m.dispatcher.stats.num_split for m in moes)
+        logged = placement_stats(dyn)
+        imbalance.append(logged["placement_max_over_mean"])
+        num_split += int(logged["placement_split_experts"])
     engine.synchronize()
     for layer in layers:
         for e in range(layer.num_experts):

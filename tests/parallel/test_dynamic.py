@@ -24,7 +24,7 @@ def _cases(world: int) -> list[dict]:
     idle = [6, 0, 3, 1][:world]
     hot = (tuple(range(1, 8)) if world == 2 else tuple(range(2, 8)))  # 1-2 live experts
     return [
-        dict(name="top2 LPT", E=8, top_k=2, tokens=full),
+        dict(name="top2 LPT, affinity", E=8, top_k=2, tokens=full, affinity=True),
         dict(name="top2 LPT split", E=8, top_k=2, tokens=full, split=True),
         dict(name="top1 LPT split, hot", E=8, top_k=1 if world == 2 else 2, tokens=full,
              split=True, dead=hot, must_split=True),
@@ -100,3 +100,16 @@ def test_training_equals_single_process_offloaded(placement):
     assert all(i >= 1.0 for i in imbalance)
     if placement == "random":
         assert num_split > 0
+
+
+def test_load_model_config_counts_flops_and_uploads():
+    from moescale.parallel.dynamic import load_model_config
+
+    cfg = load_model_config(4, 64, 256, flops_per_s=1e9, upload_bytes_per_s=1e8)
+    assert cfg.row_cost == pytest.approx(3 * 2 * 2 * 64 * 256 / 1e9)
+    assert cfg.upload_cost == pytest.approx(2 * 64 * 256 * 2 / 1e8)
+    assert cfg.split and cfg.num_devices == 4
+    glu = load_model_config(4, 64, 256, glu=True, flops_per_s=1e9)
+    assert glu.row_cost == pytest.approx(1.5 * cfg.row_cost) and glu.upload_cost == 0.0
+    with pytest.raises(ValueError, match="flops_per_s=0"):
+        load_model_config(4, 64, 256, flops_per_s=0)

@@ -109,3 +109,7 @@ def test_fast_paths_agree_with_the_general_greedy():
             slow = pl._greedy(items, counts, cfg, None)
             assert fast.raw_shards == slow.raw_shards
             assert all(math.isclose(a, b) for a, b in zip(fast.device_load, slow.device_load))
+    # an upload cost without resident sets is a fixed cost per placed shard (general path)
+    counts = [5, 3, 0, 9, 1]
+    placed = plan_placement(counts, PlacementConfig(num_devices=2, upload_cost=10.0))
+    assert sum(placed.device_load) == pytest.approx(sum(counts) + 10.0 * 4)
