@@ -12,7 +12,8 @@ It prints median step times, the ratio to resident and the device peak against i
 and writes benchmarks/results/offload_<hardware>.json. Target (issue 3): host tier with a
 2-expert device budget <= 1.10x the resident step time (median, same run). On a CPU the
 "device" is simulated: uploads are memory copies on the copy thread, so this measures the
-machinery's overhead (copies, threads, per-expert walks), not PCIe.
+machinery's overhead (copies, threads, per-expert walks), not PCIe. `--device cuda` runs the
+same on a GPU (CudaDevice, pinned host store), `--dtype bfloat16` under autocast.
 
 Deliberately not here: the disk tier beyond RAM (a separate benchmark; not done yet).
 """
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--budgets", type=str, default="2,3", help="device budgets, in experts")
     p.add_argument("--modes", type=str, default="eager,deferred")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: a SimulatedDevice; cuda: the GPU (experts on the host, pinned)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", type=str, default=None)
     return p
 
@@ -63,13 +67,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     torch.manual_seed(0)
-    base = MoEStack(args.layers, args.d_model, args.d_ff, args.experts, args.top_k)
-    x = torch.randn(args.tokens, args.d_model)
+    device = torch.device(args.device)
+    base = MoEStack(args.layers, args.d_model, args.d_ff, args.experts, args.top_k).to(device)
+    x = torch.randn(args.tokens, args.d_model, device=device)
+    lowp = args.dtype == "bfloat16"
     items, engines = [], {}
 
     def make(name, model, opt, engine):
         def step():
-            loss = model(x)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=lowp):
+                loss = model(x)
             loss.backward()
             if engine is not None:
                 engine.step()
@@ -86,14 +93,16 @@ def main(argv=None) -> int:
     for budget in [float(b) for b in args.budgets.split(",")]:
         for mode in args.modes.split(","):
             model = copy.deepcopy(base)
-            engine = offload_moe(model, OffloadConfig(device_budget_experts=budget,
-                                                      step_mode=mode))
+            engine = offload_moe(model, OffloadConfig(device=args.device,
+                                                      device_budget_experts=budget,
+                                                      step_mode=mode,
+                                                      compute_dtype=args.dtype))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             engine.follow(opt)
             name = f"host-b{budget:g}-{mode}"
             engines[name] = engine
             make(name, model, opt, engine)
-    time_interleaved(items, torch.device("cpu"),
+    time_interleaved(items, device,
                      progress=lambda line: print(line, flush=True))
     ref = items[0].median_s
     rows = []
@@ -118,7 +127,7 @@ def main(argv=None) -> int:
                   "(target <= 1.10x)")
     for eng in engines.values():
         eng.close()
-    tag = hardware_tag(torch.device("cpu"))
+    tag = hardware_tag(device)
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"offload_{tag}.json"
     write_json(out, dict(benchmark="offload", hardware=tag, config=vars(args),
                          torch_threads=torch.get_num_threads(), results=rows, targets=targets,
