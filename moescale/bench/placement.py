@@ -70,11 +70,13 @@ def balance(samples: list[list[int]], num_devices: int, sec_per_row: float) -> d
     out = {}
     bounds = [max(1.0, max(c) * num_devices / sum(c)) for c in samples if sum(c)]
     for strategy in STRATEGIES:
-        ratios, gaps_mean, gaps_min, slowest = [], [], [], []
+        ratios, gaps_mean, gaps_min, slowest, extra = [], [], [], [], []
         for counts in samples:
             if not sum(counts):
                 continue
-            loads = place(strategy, counts, num_devices).device_load
+            placement = place(strategy, counts, num_devices)
+            loads = placement.device_load
+            extra.append(len(placement.raw_shards) - sum(1 for n in counts if n))
             mean = sum(loads) / num_devices
             ratios.append(max(loads) / mean)
             gaps_mean.append((max(loads) - min(loads)) / mean)
@@ -85,7 +87,8 @@ def balance(samples: list[list[int]], num_devices: int, sec_per_row: float) -> d
             max_over_mean=statistics.mean(ratios), max_over_mean_worst=max(ratios),
             gap_over_mean=statistics.mean(gaps_mean),
             gap_over_idlest=statistics.median(gaps_min),
-            slowest_device_modelled_s=statistics.mean(slowest))
+            slowest_device_modelled_s=statistics.mean(slowest),
+            extra_shards=statistics.mean(extra))
     out["bound_without_split"] = dict(mean=statistics.mean(bounds), worst=max(bounds))
     return out
 

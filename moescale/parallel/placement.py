@@ -9,8 +9,11 @@ LPT takes experts by decreasing load (ties: lower id first) and gives each to th
 the least load after the placement (ties: lower device id), skipping devices whose cache already
 holds `max_experts_per_device` experts. With `split=True`, an expert whose load alone exceeds
 the ideal makespan (total / devices) is first cut into ceil(load / target) near-equal row
-shards, which LPT places like experts; a split expert's partial gradients are summed before its
-step (the caller's job). This file only plans: it moves no tensors and calls no collectives.
+shards, which LPT places like experts; if the result is still above (1 + balance_tol) x the
+mean, rows are cut off the busiest device's largest shard and moved to the idlest device, at
+most 2(D-1) times (split to balance). A split expert's partial gradients are summed before
+its step (the caller's job). Caps and affinity take the general greedy path, without the
+rebalancing pass. This file only plans: it moves no tensors and calls no collectives.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class PlacementConfig:
     split: bool = False                         # shard experts heavier than the ideal makespan
     row_cost: float = 1.0                       # cost of one row through one expert
     upload_cost: float = 0.0                    # cost of bringing a non-resident expert in
+    balance_tol: float | None = 0.02            # split: rebalance while max/mean > 1 + tol
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
@@ -41,6 +45,9 @@ class PlacementConfig:
         if self.row_cost <= 0 or self.upload_cost < 0:
             raise ValueError(f"row_cost={self.row_cost!r} must be > 0 and "
                              f"upload_cost={self.upload_cost!r} >= 0")
+        if self.balance_tol is not None and not self.balance_tol >= 0:
+            raise ValueError(f"balance_tol={self.balance_tol!r} must be >= 0, or None to "
+                             "keep LPT's placement as it is")
 
 
 class Shard(NamedTuple):
@@ -113,8 +120,12 @@ def plan_placement(counts: list[int], config: PlacementConfig,
     order = sorted(range(len(counts)), key=counts.__getitem__, reverse=True)
     fast = config.max_experts_per_device is None and not config.upload_cost
     hot = config.split and bool(order) and counts[order[0]] > target
+    rebalance = fast and config.split and config.balance_tol is not None and total > 0
     if fast and not hot:
-        return _lpt_whole(order, counts, num_devices, config.row_cost)
+        placement = _lpt_whole(order, counts, num_devices, config.row_cost)
+        if rebalance and placement.imbalance > 1 + config.balance_tol:
+            _rebalance(placement, counts, config)
+        return placement
     items = []
     for e in order:
         n = counts[e]
@@ -124,8 +135,56 @@ def plan_placement(counts: list[int], config: PlacementConfig,
     if hot:
         items = _split_items(items, target, num_devices)
     if fast:
-        return _greedy_fast(items, counts, num_devices, config.row_cost)
+        placement = _greedy_fast(items, counts, num_devices, config.row_cost)
+        if rebalance and placement.imbalance > 1 + config.balance_tol:
+            _rebalance(placement, counts, config)
+        return placement
     return _greedy(items, counts, config, resident)
+
+
+def _rebalance(placement: Placement, counts, config: PlacementConfig) -> None:
+    """Split to balance (in place), at most 2(D-1) moves while max/mean > 1 + balance_tol:
+    take the busiest device's largest shard whose expert is missing from some device below
+    the mean, and move to the idlest such device as many rows as bring one of the two to the
+    mean (water-filling). Items too coarse for LPT (a few experts per device, each near the
+    target) are what this fixes; each move adds one shard."""
+    num_devices, shards = config.num_devices, placement.raw_shards
+    rows = [0] * num_devices
+    on_device: list[list[int]] = [[] for _ in range(num_devices)]
+    holders: dict[int, set[int]] = {}
+    for i, (e, d, a, b) in enumerate(shards):
+        rows[d] += b - a
+        on_device[d].append(i)
+        holders.setdefault(e, set()).add(d)
+    mean = sum(rows) / num_devices
+    limit = mean * (1 + config.balance_tol)
+    for _ in range(2 * (num_devices - 1)):
+        hi = max(range(num_devices), key=rows.__getitem__)
+        if rows[hi] <= limit:
+            break
+        best = None
+        for i in sorted(on_device[hi], key=lambda j: shards[j][2] - shards[j][3]):
+            e, _, a, b = shards[i]
+            free = [d for d in range(num_devices) if d not in holders[e]]
+            if not free:
+                continue
+            lo = min(free, key=rows.__getitem__)
+            move = min(b - a - 1, round(min(rows[hi] - mean, mean - rows[lo])))
+            if move > 0:
+                best = (i, lo, move)
+                break
+        if best is None:
+            break
+        i, lo, move = best
+        e, _, a, b = shards[i]
+        shards[i] = (e, hi, a, b - move)
+        shards.append((e, lo, b - move, b))
+        on_device[lo].append(len(shards) - 1)
+        holders[e].add(lo)
+        rows[hi] -= move
+        rows[lo] += move
+    placement.device_load[:] = [n * config.row_cost for n in rows]
+    placement._held = None
 
 
 def _lpt_whole(order, counts, num_devices: int, row_cost: float) -> Placement:

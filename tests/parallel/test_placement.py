@@ -45,6 +45,22 @@ def test_every_row_is_placed_once_and_loads_add_up(split, exponent):
     _check_covers(counts, placement, 4)
 
 
+def test_split_to_balance_fixes_coarse_experts_with_few_more_shards():
+    """8 experts on 4 devices, none above the target, but too coarse for LPT alone."""
+    for seed in range(40):
+        counts = _zipf_counts(8, 1.0, 2000 + 37 * seed, seed)
+        plain = plan_placement(counts, PlacementConfig(num_devices=4, split=True,
+                                                       balance_tol=None))
+        tuned = plan_placement(counts, PlacementConfig(num_devices=4, split=True))
+        _check_covers(counts, tuned, 4)
+        assert len(tuned.raw_shards) <= len(plain.raw_shards) + 2 * 3
+        assert tuned.imbalance <= max(1.02 + 4 / sum(counts), 1.0)
+        assert tuned.imbalance <= plain.imbalance
+    counts = [900, 850, 820, 100, 90, 80, 70, 60]   # LPT alone: 900 / 742.5 = 1.21
+    tuned = plan_placement(counts, PlacementConfig(num_devices=4, split=True))
+    assert tuned.imbalance <= 1.02
+
+
 def test_same_counts_give_the_same_plan_and_ties_go_to_lower_ids():
     counts = [10] * 8
     a = plan_placement(counts, PlacementConfig(num_devices=4))
@@ -99,7 +115,8 @@ def test_fast_paths_agree_with_the_general_greedy():
     for seed in range(60):
         counts = _zipf_counts(32, [0.0, 1.0, 1.5, 3.0][seed % 4], 40 * (seed % 7), seed)
         for split in (False, True):
-            cfg = PlacementConfig(num_devices=1 + seed % 8, split=split, row_cost=1.5)
+            cfg = PlacementConfig(num_devices=1 + seed % 8, split=split, row_cost=1.5,
+                                  balance_tol=None)
             fast = plan_placement(counts, cfg)
             order = sorted(range(32), key=lambda e: (-counts[e], e))
             items = [(counts[e], e, 0, counts[e]) for e in order if counts[e] > 0]
