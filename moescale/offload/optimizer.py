@@ -25,6 +25,7 @@ Deliberately not here: dense parameters (the user's own optimizer), gradient sca
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -138,7 +139,6 @@ class HostOptimizer:
                 on_done()
 
     def _step(self, keys: Sequence[Key], hp: dict, grad_coef: float | None) -> None:
-        import time
         start = time.perf_counter()
         recs = [self.store.acquire(k) for k in keys]
         try:
