@@ -146,6 +146,11 @@ class SharedStoreExperts(nn.Module):
 
     def forward_placed(self, x_RD: torch.Tensor, counts: Sequence[int], owners_E: list[int],
                        split_experts: list[int], group) -> torch.Tensor:
+        if x_RD.device.type != "cpu":
+            raise ValueError(f"SharedStoreExperts computes on the host copy in place; the rows "
+                             f"arrive on {x_RD.device}. Device copies through the offload "
+                             "DeviceCache are not done yet: run the dynamic layer on CPU ranks "
+                             "(gloo), or use replicated GroupedExperts with sum_expert_grads")
         if compute_dtype(x_RD) != torch.float32:
             raise ValueError("SharedStoreExperts computes in fp32 on the host copy; run the "
                              "MoE layer without autocast (bf16 device copies are not done yet)")
