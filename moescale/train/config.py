@@ -7,9 +7,10 @@ overrides)` reads `--config FILE.toml`, applies `--section.field value` override
 text by the field's annotated type, and re-validates. `help_text()` lists every option with its
 type and default; `to_toml()` writes the resolved tree (None values are omitted: TOML has no null).
 
-Options of later issues (offload modes and budgets, expert parallelism, chunking, reuse) are
-accepted and validated here, but `check_supported()` refuses any value the trainer cannot run
-yet, with a clear message, instead of silently ignoring it.
+Offloading (`[offload]`: mode, budgets, step mode, activation policy) and expert parallelism
+(`[parallel]`: ep_size, chunks, reuse) are wired into the trainer (moescale/train/backends.py);
+`check_supported()` refuses the combinations it cannot run (offloading together with expert
+parallelism, dynamic placement), with a clear message, instead of silently ignoring them.
 
 This file builds no model and touches no tensors.
 """
@@ -32,7 +33,10 @@ ROUTERS = ("topk", "noisy_topk", "switch", "gshard")
 PRECISIONS = ("fp32", "bf16")
 SCHEDULES = ("cosine", "linear", "constant")
 OFFLOAD_MODES = ("device-only", "auto", "pin", "host", "disk")
-REUSE_STRATEGIES = ("none", "S1", "S2", "S3", "S4")
+STEP_MODES = ("deferred", "eager")
+ACTIVATION_POLICIES = ("keep", "recompute", "offload")
+REUSE_STRATEGIES = ("none", "S1", "S2", "S3", "S4", "auto")
+PLACEMENTS = ("static", "dynamic")
 TOKEN_DTYPES = ("uint8", "uint16", "int32")
 
 # The default run (`moescale train` with no options): the tiny model at batch 16 x 128 tokens.
@@ -197,33 +201,63 @@ class TrainSection:
 
 @dataclass(kw_only=True)
 class OffloadSection:
-    """Expert offloading (ES-MoE). Only 'device-only' runs in this version."""
+    """Expert offloading (ES-MoE): where expert state lives and how much the device holds."""
 
-    mode: str = "device-only"
-    device_budget: str = ""     # bytes the (real or simulated) device may hold, e.g. '2GiB'
-    host_budget: str = ""
-    disk_dir: str = ""
+    mode: str = "device-only"   # device-only | auto (the planner picks) | pin | host | disk
+    device_budget: str = ""     # device bytes, e.g. '64MiB' (device-only: a check; auto: needed)
+    device_budget_experts: float | None = None   # or the budget in experts (host/pin/disk: 3)
+    host_budget: str = ""       # host bytes the planner may use (auto; '' = available RAM)
+    host_cache: str = ""        # disk tier: bytes of expert records cached in RAM ('' = 1/8 of
+                                # the expert state, at least 2 experts; auto: half host_budget)
+    disk_dir: str = ""          # disk tier: expert files ('' -> <run_dir>/expert-store)
+    step_mode: str = "deferred"  # deferred (global-norm clipping) | eager (needs grad_clip 0)
+    activation_policy: str = "keep"   # expert hidden: keep | recompute | offload (to host)
+    lookahead: int = 1          # experts uploaded ahead of the one computing
+    rates: str = "measure"      # auto: planner rates measured here, or ES-MoE's 'a100' node
 
     def __post_init__(self) -> None:
         _need(self.mode in OFFLOAD_MODES, "offload.mode", self.mode,
               f"choose one of {', '.join(OFFLOAD_MODES)}")
-        parse_bytes(self.device_budget, "offload.device_budget")
-        parse_bytes(self.host_budget, "offload.host_budget")
+        for name in ("device_budget", "host_budget", "host_cache"):
+            parse_bytes(getattr(self, name), f"offload.{name}")
+        _need(self.device_budget_experts is None or self.device_budget_experts > 0,
+              "offload.device_budget_experts", self.device_budget_experts,
+              "must be > 0 (at least 2: backward holds an expert and its gradient)")
+        _need(not (self.device_budget and self.device_budget_experts is not None),
+              "offload.device_budget_experts", self.device_budget_experts,
+              f"give offload.device_budget={self.device_budget!r} or a budget in experts, "
+              "not both")
+        _need(self.step_mode in STEP_MODES, "offload.step_mode", self.step_mode,
+              f"choose one of {', '.join(STEP_MODES)}")
+        _need(self.activation_policy in ACTIVATION_POLICIES, "offload.activation_policy",
+              self.activation_policy, f"choose one of {', '.join(ACTIVATION_POLICIES)}")
+        _need(self.lookahead >= 0, "offload.lookahead", self.lookahead, "must be >= 0")
+        _need(self.rates in ("measure", "a100"), "offload.rates", self.rates,
+              "choose measure or a100")
 
 
 @dataclass(kw_only=True)
 class ParallelSection:
-    """Expert parallelism and pipelining (FastMoE, MPipeMoE). Only 1 / 1 / none run yet."""
+    """Expert parallelism and pipelining (FastMoE, MPipeMoE); launch with torchrun."""
 
-    ep_size: int = 1
-    chunks: int = 1
-    reuse: str = "none"
+    ep_size: int = 1            # ranks the experts of each layer are split over
+    chunks: str = "1"           # pipelined all-to-all chunks: a count, or auto (online tuner)
+    reuse: str = "none"         # pipelined memory reuse: none | S1..S4 | auto (cost model)
+    placement: str = "static"   # static (expert e on rank e // (E / ep_size)) | dynamic
+    timeout_s: float = 300.0    # a collective waiting longer fails instead of hanging
 
     def __post_init__(self) -> None:
         _need(self.ep_size >= 1, "parallel.ep_size", self.ep_size, "must be >= 1")
-        _need(self.chunks >= 1, "parallel.chunks", self.chunks, "must be >= 1")
+        _need(self.chunks == "auto" or (self.chunks.isdigit() and int(self.chunks) >= 1),
+              "parallel.chunks", self.chunks, "must be a positive integer or auto")
         _need(self.reuse in REUSE_STRATEGIES, "parallel.reuse", self.reuse,
               f"choose one of {', '.join(REUSE_STRATEGIES)}")
+        _need(self.placement in PLACEMENTS, "parallel.placement", self.placement,
+              f"choose one of {', '.join(PLACEMENTS)}")
+        _need(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
+
+    def chunk_count(self) -> int | str:
+        return "auto" if self.chunks == "auto" else int(self.chunks)
 
 
 @dataclass(kw_only=True)
@@ -238,24 +272,38 @@ class RunConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def check_supported(self) -> None:
-        """Refuse options that later issues will wire, rather than ignoring them."""
-        later = [("offload.mode", self.offload.mode, "device-only",
-                  "expert offloading is not wired into `moescale train` yet"),
-                 ("parallel.ep_size", self.parallel.ep_size, 1,
-                  "expert parallelism is not wired into `moescale train` yet"),
-                 ("parallel.chunks", self.parallel.chunks, 1,
-                  "pipelined all-to-all chunks need expert parallelism, not wired yet"),
-                 ("parallel.reuse", self.parallel.reuse, "none",
-                  "memory-reuse strategies need expert parallelism, not wired yet")]
-        for option, value, supported, why in later:
-            if value != supported:
-                raise ValueError(f"{option}={value!r} is not supported yet: {why}; "
-                                 f"use {option}={supported!r}")
+        """Refuse combinations the trainer cannot run, rather than ignoring them."""
+        offloaded = self.offload.mode != "device-only"
+        if offloaded and self.parallel.ep_size > 1:
+            raise ValueError(f"offload.mode={self.offload.mode!r} with parallel.ep_size="
+                             f"{self.parallel.ep_size} is not supported: offloading and expert "
+                             "parallelism are not combined in `moescale train` yet; use one "
+                             "of them (offload.mode device-only, or parallel.ep_size 1)")
+        if self.parallel.placement != "static":
+            raise ValueError(f"parallel.placement={self.parallel.placement!r} is not supported "
+                             "yet: dynamic expert placement is not wired into `moescale "
+                             "train`; use parallel.placement static")
+        single = self.parallel.ep_size == 1
+        for option, value, plain in (("parallel.chunks", self.parallel.chunks, "1"),
+                                     ("parallel.reuse", self.parallel.reuse, "none")):
+            if single and value != plain:
+                raise ValueError(f"{option}={value!r} needs expert parallelism (the pipelined "
+                                 f"all-to-all); set parallel.ep_size > 1 or {option}={plain}")
+        if offloaded and self.offload.step_mode == "eager" and self.optim.grad_clip > 0:
+            raise ValueError(f"offload.step_mode='eager' steps experts during backward, before "
+                             f"the global gradient norm is known, so optim.grad_clip="
+                             f"{self.optim.grad_clip} cannot apply; use offload.step_mode "
+                             "deferred or optim.grad_clip 0")
+        if self.offload.mode == "auto" and not self.offload.device_budget:
+            raise ValueError("offload.mode='auto' needs offload.device_budget (e.g. '256MiB'): "
+                             "the planner picks the fastest mode that fits it")
 
 
 CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTERS, "optim.schedule": SCHEDULES,
            "train.precision": PRECISIONS, "offload.mode": OFFLOAD_MODES,
-           "parallel.reuse": REUSE_STRATEGIES, "data.token_dtype": TOKEN_DTYPES}
+           "offload.step_mode": STEP_MODES, "offload.activation_policy": ACTIVATION_POLICIES,
+           "parallel.reuse": REUSE_STRATEGIES, "parallel.placement": PLACEMENTS,
+           "data.token_dtype": TOKEN_DTYPES}
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
 
@@ -311,6 +359,8 @@ def convert(text, hint, option: str):
             raise ValueError(f"{option}={text!r} must be a finite number")
         return value
     if base is str:
+        if isinstance(text, int) and not isinstance(text, bool):
+            return str(text)    # TOML `chunks = 2`, `device_budget = 1000000`
         if not isinstance(text, str):
             raise ValueError(f"{option}={text!r} must be a string")
         return text

@@ -35,11 +35,14 @@ def read_metrics(path: str | Path) -> list[dict]:
 class MetricsLog:
     """Appends records to metrics.jsonl in the run directory."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, enabled: bool = True) -> None:
         self.path = Path(path)
+        self.enabled = enabled     # False on the ranks that do not write files
         self._file = None
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         if self._file is None:
             self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(record) + "\n")
@@ -48,6 +51,8 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Keep only train/val records with step <= `step` (rewritten atomically)."""
         self.close()
+        if not self.enabled:
+            return
         kept = [r for r in read_metrics(self.path)
                 if r.get("kind") in ("train", "val") and r.get("step", 0) <= step]
         tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")

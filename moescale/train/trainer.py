@@ -14,8 +14,13 @@ checkpoint that verifies, and drops metrics past it, so the continued run logs e
 losses of an uninterrupted one. SIGINT (Ctrl-C) finishes the current step, saves a checkpoint
 and returns 130; a second Ctrl-C aborts at once.
 
-Deliberately not here: offloading and expert parallelism (their options are refused by
-`RunConfig.check_supported` until wired), distributed launch, the CLI parsing (cli.py).
+Offloading and expert parallelism plug in through a backend (backends.py): it prepares the
+model (offloads or shards the experts), slices each batch for this rank, clips and steps the
+experts, reduces logged numbers over ranks and consolidates checkpoints; under expert
+parallelism only rank 0 writes files and prints.
+
+Deliberately not here: the offload / expert-parallel integration (backends.py), process
+launch (torchrun, or backends.train_distributed), the CLI parsing (cli.py).
 
 Legend: B batch, S sequence, L MoE layers, E experts.
 """
@@ -37,8 +42,10 @@ import torch
 
 from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
-from moescale.train.checkpoint import (CheckpointError, list_checkpoints, load_latest,
-                                       optimizer_from_flat, optimizer_to_flat, save_checkpoint)
+from moescale.train.backends import make_backend
+from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
+                                       load_latest, optimizer_from_flat, optimizer_to_flat,
+                                       save_checkpoint)
 from moescale.train.config import RunConfig, parse_bytes, to_dict, to_toml
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.metrics import MetricsLog, read_metrics
@@ -70,6 +77,8 @@ def build_model(config: RunConfig, vocab_size: int) -> GPT:
 
 def check_budget(config: RunConfig, num_params: int) -> None:
     """A device budget smaller than what device-only training holds is a user error."""
+    if config.offload.mode != "device-only":
+        return    # the offload engine checks its budget against one expert
     budget = parse_bytes(config.offload.device_budget, "offload.device_budget")
     need = num_params * BYTES_PER_PARAM_DEVICE_ONLY
     if budget is not None and budget < need:
@@ -94,14 +103,14 @@ def _imbalance(counts_LE: list[list[int]]) -> float:
     return worst
 
 
-def auto_threads() -> tuple[int, str]:
+def auto_threads(ranks: int = 1) -> tuple[int, str]:
     """Threads for `train.threads = 0`: the CPUs left free by the current load average.
 
     On a busy machine torch's default (one thread per core) is far slower than fewer threads:
     every parallel region waits for all its threads to be scheduled. The choice is written
     into the run's config.toml, so a resumed run uses the same count (and the same floats)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = min(cpus or 1, torch.get_num_threads())
+    cpus = max(1, min(cpus or 1, torch.get_num_threads()) // ranks)
     try:
         load = os.getloadavg()[0]
     except OSError:
@@ -125,25 +134,40 @@ class Trainer:
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         tc = config.train
+        self.backend = make_backend(config, Path(run_dir))
+        self.run_dir = Path(self.backend.agree(str(run_dir)))   # rank 0's choice
+        self.writer = self.backend.writer
+        if not self.writer:
+            self.out = self.err = open(os.devnull, "w")
         self.threads_note = "set by train.threads"
         if tc.threads == 0:
-            tc.threads, self.threads_note = auto_threads()
+            tc.threads, self.threads_note = auto_threads(self.backend.world_size)
         self.device = resolve_device(tc.device)
         self.data = load_data(config.data, DEFAULT_CACHE_DIR)
         torch.manual_seed(tc.seed)
         self.model = build_model(config, self.data.vocab_size).to(self.device)
         self.params = self.model.num_parameters()
         check_budget(config, self.params.total)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._build(resume)
+        except BaseException:     # stop the offload engine's threads
+            self.backend.close()
+            raise
+
+    def _build(self, resume: bool) -> None:
+        config, tc = self.config, self.config.train
+        self.backend.prepare(self.model)
         self.optimizer = build_optimizer(self.model, config.optim)
+        self.backend.attach(self.optimizer)
         self.batches = TokenBatches(self.data.train, tc.batch_size, tc.seq_len, tc.seed, "train")
         self.val_windows = TokenBatches(self.data.val, tc.batch_size, tc.seq_len, tc.seed + 1,
                                         "validation").fixed(tc.eval_batches)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
         self.step = 0
         self.stop_requested = False
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.writer)
         self.resumed_from = None
         if resume:
             self._resume()
@@ -152,7 +176,8 @@ class Trainer:
                              "continue it with --resume, or choose another train.run_dir")
         else:
             self.metrics.truncate_after(0)
-        self._write_config()
+        if self.writer:
+            self._write_config()
 
     # -- setup ---------------------------------------------------------------------------
     def _write_config(self) -> None:
@@ -174,8 +199,10 @@ class Trainer:
         path, tensors, state = load_latest(self.ckpt_dir, warn=lambda m: print(m, file=self.err))
         model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         try:
-            self.model.load_state_dict(model_sd)
-            optimizer_from_flat(self.optimizer, tensors, state["optimizer"])
+            self.backend.load_model_state(self.model, model_sd)
+            optimizer_from_flat(self.optimizer, self.backend.local_optimizer_tensors(
+                self.optimizer, tensors), state["optimizer"])
+            self.backend.load_extra(self.ckpt_dir, state)
         except (RuntimeError, KeyError, ValueError) as err:
             raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
                                   f"({str(err).splitlines()[0]}); resume with the run's own "
@@ -185,7 +212,8 @@ class Trainer:
         torch.set_rng_state(tensors["rng.torch"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
-        for newer_step, newer in list_checkpoints(self.ckpt_dir):
+        self.backend.barrier()    # every rank has read before rank 0 renames
+        for newer_step, newer in list_checkpoints(self.ckpt_dir) if self.writer else ():
             if newer_step > self.step:   # failed verification: set aside, never deleted
                 newer.rename(newer.with_name(newer.name + ".corrupt"))
         self.metrics.truncate_after(self.step)
@@ -193,16 +221,23 @@ class Trainer:
         print(f"resumed from {path} (step {self.step})", file=self.err)
 
     def save(self) -> Path:
-        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        """Collective under expert parallelism (state is gathered); rank 0 writes."""
+        tensors = {f"model.{k}": v for k, v in self.backend.model_state(self.model).items()}
         opt_tensors, opt_rest = optimizer_to_flat(self.optimizer)
-        tensors.update(opt_tensors)
+        tensors.update(self.backend.optimizer_tensors(self.optimizer, opt_tensors))
         tensors["rng.torch"] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"step": self.step, "optimizer": opt_rest, "data_rng": self.batches.state(),
                  "config": to_dict(self.config)}
-        return save_checkpoint(self.ckpt_dir, self.step, tensors, state,
-                               self.config.train.keep_last)
+        path = checkpoint_path(self.ckpt_dir, self.step)
+        if self.writer:
+            state.update(self.backend.save_extra(self.ckpt_dir, self.step))  # before the commit
+            path = save_checkpoint(self.ckpt_dir, self.step, tensors, state,
+                                   self.config.train.keep_last)
+            self.backend.after_save(self.ckpt_dir)
+        self.backend.barrier()
+        return path
 
     # -- loop ----------------------------------------------------------------------------
     def _autocast(self):
@@ -215,12 +250,13 @@ class Trainer:
         schedule by time); returns its metrics record."""
         tc, oc = self.config.train, self.config.optim
         lr = lr_at(self.step, oc, tc.steps) if lr is None else lr
-        set_lr(self.optimizer, lr)
+        set_lr(self.optimizer, lr)     # offloaded experts follow it (engine.follow)
         self.optimizer.zero_grad(set_to_none=True)
         ce_sum = aux_sum = 0.0
         counts_LE = None
-        for _ in range(tc.grad_accum):
-            idx_BS, targets_BS = self.batches.next()
+        for i in range(tc.grad_accum):
+            self.backend.begin_micro_batch(last=i == tc.grad_accum - 1)
+            idx_BS, targets_BS = self.backend.shard(*self.batches.next())  # this rank's rows
             idx_BS, targets_BS = idx_BS.to(self.device), targets_BS.to(self.device)
             with self._autocast():
                 _, loss = self.model(idx_BS, targets_BS)
@@ -232,10 +268,12 @@ class Trainer:
             counts_LE = layer_counts if counts_LE is None else \
                 [a + b for a, b in zip(counts_LE, layer_counts)]
         clip = oc.grad_clip if oc.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = self.backend.clip(self.model, clip)   # EP: gradients averaged first
+        self.backend.step_experts()
         self.optimizer.step()
         self.step += 1
-        counts = [c.tolist() for c in counts_LE or []]
+        ce_sum, aux_sum = self.backend.mean([ce_sum, aux_sum])
+        counts = [c.tolist() for c in self.backend.sum_counts(counts_LE or [])]
         return {"kind": "train", "step": self.step, "loss": ce_sum / tc.grad_accum,
                 "aux_loss": aux_sum / tc.grad_accum, "lr": lr, "grad_norm": grad_norm,
                 "tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
@@ -247,12 +285,13 @@ class Trainer:
         try:
             losses = []
             for idx_BS, targets_BS in self.val_windows:
+                idx_BS, targets_BS = self.backend.shard(idx_BS, targets_BS)
                 with self._autocast():
                     self.model(idx_BS.to(self.device), targets_BS.to(self.device))
                 losses.append(float(self.model.last_loss_parts["ce"]))
         finally:
             self.model.train()
-        return sum(losses) / len(losses)
+        return self.backend.mean([sum(losses) / len(losses)])[0]
 
     def _on_sigint(self, signum, frame) -> None:
         if self.stop_requested:
@@ -272,6 +311,7 @@ class Trainer:
             return self._run(min(tc.steps, until_step or tc.steps))
         finally:
             torch.set_num_threads(threads)
+            self.backend.close()
 
     def _run(self, last_step: int) -> int:
         from tqdm import tqdm
@@ -282,7 +322,8 @@ class Trainer:
         if in_main:
             signal.signal(signal.SIGINT, self._on_sigint)
         self.model.train()
-        bar = tqdm(total=tc.steps, initial=self.step, file=self.err, disable=not tc.progress,
+        bar = tqdm(total=tc.steps, initial=self.step, file=self.err,
+                   disable=not (tc.progress and self.writer),
                    dynamic_ncols=True, unit="step", mininterval=0.5)
         train_time = 0.0
         train_tokens = 0
@@ -301,6 +342,7 @@ class Trainer:
                 record["tokens_per_s"] = record["tokens"] / dt
                 record["elapsed_s"] = time.perf_counter() - start
                 self.metrics.write(record)
+                self.stop_requested = self.backend.any(self.stop_requested)  # ranks agree
                 bar.update(1)
                 bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {rate:,.0f} "
                                     f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}",
@@ -323,8 +365,12 @@ class Trainer:
                 signal.signal(signal.SIGINT, previous)
         if self.stop_requested and last_ckpt is None and self.step > 0:
             last_ckpt = self.save()
-        self.summary = self._summarise(train_time, train_tokens, time.perf_counter() - start,
-                                       last_ckpt)
+        sample = self.sample() if not self.stop_requested else ""   # collective under EP
+        memory = self.backend.memory()
+        if self.writer:
+            self.summary = self._summarise(train_time, train_tokens,
+                                           time.perf_counter() - start, last_ckpt, sample,
+                                           memory)
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
                   f"continue with: moescale train --resume {self.run_dir}", file=self.out)
@@ -349,27 +395,29 @@ class Trainer:
             return bytes(out).decode("utf-8", errors="replace")
         return " ".join(map(str, out))
 
-    def _summarise(self, train_time, train_tokens, wall, last_ckpt) -> dict:
+    def _summarise(self, train_time, train_tokens, wall, last_ckpt, sample, memory) -> dict:
         records = read_metrics(self.run_dir / "metrics.jsonl")
         train = [r for r in records if r["kind"] == "train"]
         vals = [r for r in records if r["kind"] == "val"]
         tail = train[-20:]
-        memory = {"host_peak_rss_bytes": peak_rss_bytes()}
-        if self.device.type == "cuda":
+        memory = {"host_peak_rss_bytes": peak_rss_bytes(), **memory}
+        if self.device.type == "cuda" and "device_peak_bytes" not in memory:
             memory["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        plan, self.plan_text = self.backend.plan(self.device)
         summary = {
             "kind": "summary", "step": self.step, "steps": self.config.train.steps,
             "train_loss": sum(r["loss"] for r in tail) / len(tail) if tail else None,
             "val_loss": vals[-1]["val_loss"] if vals else None,
             "tokens_per_s": train_tokens / train_time if train_time else None,
-            "wall_s": wall, "memory": memory, "offload_plan": "device-only",
+            "wall_s": wall, "memory": memory, "offload_plan": plan,
+            "world_size": self.backend.world_size,
             "device": str(self.device), "params_total": self.params.total,
             "params_active": self.params.active, "checkpoint": str(last_ckpt),
             "resumed_from": self.resumed_from,
         }
         report = write_report(self.run_dir)
         summary["report"] = str(report) if report else None
-        summary["sample"] = self.sample() if not self.stop_requested else ""
+        summary["sample"] = sample
         tmp = self.run_dir / f".summary.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, self.run_dir / "summary.json")
@@ -381,7 +429,13 @@ class Trainer:
         mem = s["memory"]
         tiers = f"host RSS {mem['host_peak_rss_bytes'] / 2**20:,.0f} MiB"
         if "device_peak_bytes" in mem:
-            tiers += f", device {mem['device_peak_bytes'] / 2**20:,.0f} MiB"
+            budget = mem.get("device_budget_bytes")
+            tiers += f", device {mem['device_peak_bytes'] / 2**20:,.2f} MiB" + \
+                (f" (budget {budget / 2**20:,.2f} MiB)" if budget else "")
+        if "disk_bytes" in mem:
+            tiers += (f", disk {mem['disk_bytes'] / 2**20:,.1f} MiB (read "
+                      f"{mem['disk_read_bytes'] / 2**20:,.0f} MiB, written "
+                      f"{mem['disk_written_bytes'] / 2**20:,.0f} MiB)")
         lines = [
             f"run dir:      {self.run_dir}",
             f"data:         {self.data.description}",
@@ -394,7 +448,7 @@ class Trainer:
             f"tokens/s:     {fmt(s['tokens_per_s'], ',.0f')}   wall time {s['wall_s']:.1f} s   "
             f"threads {self.config.train.threads} ({self.threads_note})",
             f"peak memory:  {tiers}",
-            f"offload plan: {s['offload_plan']} (every expert resident on {s['device']})",
+            f"offload plan: {self.plan_text}",
             f"report:       {s['report']}",
         ]
         if s["sample"]:

@@ -44,13 +44,39 @@ def test_bad_values_name_the_option(overrides, words):
         assert word in message
 
 
-def test_unsupported_later_options_are_refused_not_ignored():
-    for overrides in ({"offload.mode": "disk"}, {"parallel.ep_size": "2"},
-                      {"parallel.chunks": "4"}, {"parallel.reuse": "S1"}):
+def test_unsupported_combinations_are_refused_not_ignored():
+    for overrides, words in (
+            ({"offload.mode": "disk", "parallel.ep_size": "2"}, "not combined"),
+            ({"parallel.placement": "dynamic"}, "not supported yet"),
+            ({"parallel.chunks": "4"}, "needs expert parallelism"),
+            ({"parallel.reuse": "S1"}, "needs expert parallelism"),
+            ({"offload.mode": "host", "offload.step_mode": "eager"}, "optim.grad_clip"),
+            ({"offload.mode": "auto"}, "needs offload.device_budget")):
         cfg = load_config(None, overrides)          # valid values ...
-        with pytest.raises(ValueError, match="not supported yet"):
-            cfg.check_supported()                   # ... that cannot run yet
+        with pytest.raises(ValueError, match=words):
+            cfg.check_supported()                   # ... that cannot run together
     RunConfig().check_supported()
+    for ok in ({"offload.mode": "host"}, {"offload.mode": "disk"},
+               {"offload.mode": "host", "offload.step_mode": "eager", "optim.grad_clip": "0"},
+               {"parallel.ep_size": "2", "parallel.chunks": "auto", "parallel.reuse": "auto"},
+               {"offload.mode": "auto", "offload.device_budget": "1MiB"}):
+        load_config(None, ok).check_supported()
+
+
+def test_offload_and_parallel_values_are_validated():
+    for overrides, words in (({"parallel.chunks": "0"}, "parallel.chunks"),
+                             ({"parallel.chunks": "many"}, "parallel.chunks"),
+                             ({"parallel.reuse": "S9"}, "parallel.reuse"),
+                             ({"offload.step_mode": "lazy"}, "offload.step_mode"),
+                             ({"offload.activation_policy": "drop"}, "activation_policy"),
+                             ({"offload.device_budget_experts": "0"}, "device_budget_experts"),
+                             ({"offload.device_budget": "1MiB",
+                               "offload.device_budget_experts": "2"}, "not both"),
+                             ({"offload.host_cache": "lots"}, "offload.host_cache")):
+        with pytest.raises(ValueError, match=words):
+            load_config(None, overrides)
+    # TOML integers are accepted for string options such as chunks or a byte budget
+    assert load_config(None, None, base={"parallel": {"chunks": 3}}).parallel.chunk_count() == 3
 
 
 def test_help_lists_every_option_with_its_default():
@@ -58,6 +84,8 @@ def test_help_lists_every_option_with_its_default():
     for option in ("--model.num_experts", "--model.top_k", "--model.router",
                    "--model.capacity_factor", "--offload.mode", "--offload.device_budget",
                    "--parallel.ep_size", "--parallel.chunks", "--parallel.reuse",
+                   "--offload.step_mode", "--offload.activation_policy", "--offload.host_cache",
+                   "--offload.disk_dir", "--offload.device_budget_experts",
                    "--train.precision", "--train.batch_size", "--train.seq_len", "--train.steps",
                    "--optim.schedule", "--train.seed", "--data.path"):
         assert option in text

@@ -1,0 +1,458 @@
+"""How `moescale train` runs its model: on one process, with offloaded experts, or expert-parallel.
+
+The Trainer (trainer.py) owns the loop; a backend owns what differs between these set-ups:
+
+- `LocalBackend`: every expert resident on the device; torch's global-norm clipping.
+- `OffloadBackend` (`offload.mode` host | pin | disk | auto): `offload_moe` moves the experts
+  into an ExpertStore (host RAM or one file per expert on disk) before the dense optimizer is
+  built, so AdamW only sees dense parameters; the engine follows its learning rate (the
+  schedule), is told which micro-batch is the last one, clips by the global norm over dense and
+  expert gradients (deferred step mode) and steps the experts. A checkpoint's store is written
+  atomically (by the engine) into `checkpoints/store_<step>/` *before* the dense checkpoint, which
+  is the commit point; stores of checkpoints no longer kept are removed. The summary gets the
+  simulated (or CUDA) device's peak, the store's disk bytes and the plan (the planner's pick for
+  `auto`).
+- `ExpertParallelBackend` (`parallel.ep_size` > 1, or any multi-process launch): initializes
+  torch.distributed from torchrun's environment (or reuses the group `run_local` made), shards
+  every MoE layer over the expert-parallel group (plain or pipelined dispatcher per
+  `parallel.chunks` / `parallel.reuse`), gives each rank its slice of the rows of every batch
+  (the global batch is the union, so the loss is the mean over all tokens of all ranks), and
+  after backward averages gradients and clips by the global norm. Logged numbers (losses,
+  routed tokens) are reduced over the world; checkpoints are consolidated (`full_state_dict`
+  plus the experts' AdamW moments gathered the same way), so they equal a single-process
+  checkpoint and resume at any EP size. Only rank 0 writes files or prints.
+
+`train_distributed(config, world_size)` is the Python-API twin of
+`torchrun --nproc-per-node N -m moescale train ...` (real processes via `run_local`).
+
+Deliberately not here: offloading combined with expert parallelism and dynamic placement
+(refused by `RunConfig.check_supported`), the loop itself, checkpoint file formats.
+
+Legend: B batch rows, S sequence, W world size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from moescale.train.checkpoint import list_checkpoints
+from moescale.train.config import RunConfig, parse_bytes
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+class LocalBackend:
+    """One process, every expert resident on the device."""
+
+    rank, world_size, writer = 0, 1, True
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Called after the model is built and moved to its device, before the optimizer."""
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called with the dense optimizer once it exists."""
+
+    def shard(self, idx_BS: torch.Tensor, targets_BS: torch.Tensor):
+        return idx_BS, targets_BS
+
+    def begin_micro_batch(self, last: bool) -> None:
+        pass
+
+    def clip(self, model: torch.nn.Module, max_norm: float) -> float | None:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+    def step_experts(self) -> None:
+        """Called just before the dense optimizer steps."""
+
+    # reductions over ranks (identity here)
+    def mean(self, values: list[float]) -> list[float]:
+        return values
+
+    def sum_counts(self, counts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return counts
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def agree(self, value):
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    # checkpoints
+    def model_state(self, model) -> dict[str, torch.Tensor]:
+        return model.state_dict()
+
+    def load_model_state(self, model, state: dict[str, torch.Tensor]) -> None:
+        model.load_state_dict(state)
+
+    def optimizer_tensors(self, optimizer, tensors: dict[str, torch.Tensor]):
+        return tensors
+
+    def local_optimizer_tensors(self, optimizer, tensors: dict[str, torch.Tensor]):
+        return tensors
+
+    def save_extra(self, ckpt_dir: Path, step: int) -> dict:
+        return {}
+
+    def load_extra(self, ckpt_dir: Path, state: dict) -> None:
+        pass
+
+    def after_save(self, ckpt_dir: Path) -> None:
+        pass
+
+    # summary
+    def memory(self) -> dict:
+        return {}
+
+    def plan(self, device) -> tuple[str, str]:
+        """(short name, one line for the summary)."""
+        return "device-only", f"device-only (every expert resident on {device})"
+
+    def close(self) -> None:
+        pass
+
+
+class OffloadBackend(LocalBackend):
+    """Experts in an ExpertStore (host or disk tier), streamed through a device budget."""
+
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        oc = config.offload
+        self.config, self.run_dir = config, run_dir
+        self.disk_dir = Path(oc.disk_dir) if oc.disk_dir else run_dir / "expert-store"
+        self.engine = None
+        self.pick = None
+        self.estimates = None
+
+    def _offload_config(self, model):
+        from moescale.offload import OffloadConfig
+
+        oc, tc = self.config.offload, self.config.train
+        tier = {"pin": "host", "host": "host", "disk": "disk", "auto": "auto"}[oc.mode]
+        device_bytes = parse_bytes(oc.device_budget, "offload.device_budget")
+        experts = oc.device_budget_experts
+        if device_bytes is None and experts is None and tier != "auto":
+            experts = 3.0    # double-buffered uploads in forward and in backward
+        kw = dict(tier=tier, compute_dtype=PRECISION_DTYPES[tc.precision],
+                  activation_policy=oc.activation_policy, step_mode=oc.step_mode,
+                  lookahead=oc.lookahead, device_budget_bytes=device_bytes,
+                  device_budget_experts=experts,
+                  pin_fraction=0.25 if oc.mode == "pin" else 0.0)
+        host_cache = parse_bytes(oc.host_cache, "offload.host_cache")
+        if tier in ("disk", "auto"):
+            if not oc.disk_dir:
+                self.disk_dir.mkdir(parents=True, exist_ok=True)
+            kw["directory"] = str(self.disk_dir)
+        if tier == "disk" and host_cache is None:
+            record = max(16 * sum(p.numel() for p in m.experts.parameters()) //
+                         max(1, m.num_experts) for m in self._moes(model))
+            total = sum(16 * sum(p.numel() for p in m.experts.parameters())
+                        for m in self._moes(model))
+            host_cache = max(2 * record, total // 8)
+        kw["host_cache_bytes"] = host_cache
+        if tier == "auto":
+            kw.update(tokens_per_micro_batch=tc.batch_size * tc.seq_len,
+                      host_budget_bytes=parse_bytes(oc.host_budget, "offload.host_budget"),
+                      rates=oc.rates)
+        return OffloadConfig(**kw)
+
+    @staticmethod
+    def _moes(model):
+        from moescale.layers.moe import MoE
+        return [m for m in model.modules() if isinstance(m, MoE)]
+
+    def prepare(self, model) -> None:
+        from moescale.offload import offload_moe
+
+        cfg = self._offload_config(model)
+        try:
+            self.engine = offload_moe(model, cfg)
+        except ValueError as err:
+            raise ValueError(f"offload.mode={self.config.offload.mode!r}: {err}") from None
+        if self.engine.plan is not None:    # captured now: the engine forgets it at step()
+            self.estimates, self.pick = self.engine.plan
+
+    def attach(self, optimizer) -> None:
+        self.engine.follow(optimizer)
+
+    def begin_micro_batch(self, last: bool) -> None:
+        self.engine.begin_micro_batch(last=last)
+
+    def clip(self, model, max_norm: float) -> float | None:
+        if self.engine.config.step_mode == "deferred":
+            return self.engine.clip_grad_norm_(model.parameters(), max_norm)
+        return None      # eager: experts stepped during backward (grad_clip is 0)
+
+    def step_experts(self) -> None:
+        self.engine.step()
+
+    def _store_dir(self, ckpt_dir: Path, step: int) -> Path:
+        return ckpt_dir / f"store_{step:08d}"
+
+    def save_extra(self, ckpt_dir: Path, step: int) -> dict:
+        target = self._store_dir(ckpt_dir, step)
+        target.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(target), tag=f"{step:08d}")
+        return {"expert_store": target.name}
+
+    def load_extra(self, ckpt_dir: Path, state: dict) -> None:
+        name = state.get("expert_store")
+        if name is None or not (ckpt_dir / name).is_dir():
+            raise ValueError(f"the checkpoint of step {state.get('step')} has no expert store "
+                             f"({name or 'none recorded'} under {str(ckpt_dir)!r}); it was "
+                             "written without offloading: resume with the run's config.toml")
+        self.engine.load_checkpoint(str(ckpt_dir / name))
+
+    def after_save(self, ckpt_dir: Path) -> None:
+        kept = {f"store_{step:08d}" for step, _ in list_checkpoints(ckpt_dir)}
+        for entry in ckpt_dir.iterdir():
+            if entry.name.startswith("store_") and entry.name not in kept and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def memory(self) -> dict:
+        engine = self.engine
+        engine.synchronize()
+        out = {"device_peak_bytes": int(engine.device.peak_bytes),
+               "device_budget_bytes": engine.device.budget_bytes}
+        if engine.store.config.tier == "disk":
+            out["disk_bytes"] = _dir_bytes(Path(engine.store.config.directory))
+            out["disk_read_bytes"] = int(engine.store.bytes_read)
+            out["disk_written_bytes"] = int(engine.store.bytes_written)
+        return out
+
+    def plan(self, device) -> tuple[str, str]:
+        cfg = self.engine.config
+        budget = self.engine.device.budget_bytes
+        where = {"host": "host RAM", "disk": f"disk ({cfg.directory})"}[cfg.tier]
+        text = (f"experts in {where}, device budget "
+                f"{'unbounded' if budget is None else f'{budget / 2**20:,.2f} MiB'}"
+                f", {cfg.step_mode} steps, activations {cfg.activation_policy}"
+                + (f", hottest {cfg.pin_fraction:.0%} pinned" if cfg.pin_fraction else ""))
+        if self.pick is None:
+            return self.config.offload.mode, text
+        predicted = "; ".join(f"{e.mode} {e.step_s:.3g} s{'' if e.fits else ' (no fit)'}"
+                              for e in self.estimates)
+        return f"auto:{self.pick}", (f"auto -> planner picked '{self.pick}' (predicted step: "
+                                     f"{predicted}): {text}")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class ExpertParallelBackend(LocalBackend):
+    """Experts split over the ranks of an expert-parallel group; each rank a slice of rows."""
+
+    def __init__(self, config: RunConfig) -> None:
+        import torch.distributed as dist
+
+        from moescale.parallel.groups import ParallelConfig, init_distributed
+
+        from moescale.models import gpt_config
+
+        pc = config.parallel
+        experts = config.model.num_experts or gpt_config(config.model.size).num_experts
+        if experts % pc.ep_size:
+            raise ValueError(f"parallel.ep_size={pc.ep_size} does not divide model.num_experts="
+                             f"{experts}; choose num_experts as a multiple of ep_size")
+        world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() \
+            else dist.get_world_size()
+        if world < pc.ep_size or world % pc.ep_size:
+            raise ValueError(f"parallel.ep_size={pc.ep_size} needs a multiple of {pc.ep_size} "
+                             f"processes, but {world} {'is' if world == 1 else 'are'} running; "
+                             f"launch with `torchrun --nproc-per-node {pc.ep_size} -m moescale "
+                             "train ...` (or moescale.train.backends.train_distributed)")
+        if config.train.batch_size % world:
+            raise ValueError(f"train.batch_size={config.train.batch_size} is not divisible by "
+                             f"the {world} ranks; each rank takes an equal slice of the rows")
+        self.pconfig = ParallelConfig(ep_size=pc.ep_size, timeout_s=pc.timeout_s,
+                                      chunks=pc.chunk_count(), reuse=pc.reuse)
+        self.groups = init_distributed(self.pconfig)
+        self.rank, self.world_size = self.groups.rank, self.groups.world_size
+        self.writer = self.rank == 0
+        self.device = torch.device("cpu") if dist.get_backend() == "gloo" else \
+            torch.device("cuda", torch.cuda.current_device())
+        self._expert_pids: dict[int, torch.nn.Parameter] = {}
+
+    def prepare(self, model) -> None:
+        from moescale.parallel.expert_parallel import expert_parallel_model
+        from moescale.parallel.setup import dispatcher_factory
+
+        experts = model.config.num_experts
+        if experts % self.groups.ep_size:
+            raise ValueError(f"parallel.ep_size={self.groups.ep_size} does not divide "
+                             f"model.num_experts={experts}; choose num_experts as a multiple "
+                             "of ep_size")
+        expert_parallel_model(model, self.groups, dispatcher_factory(self.groups, self.pconfig))
+
+    def attach(self, optimizer) -> None:
+        from moescale.parallel.expert_parallel import is_expert_parameter
+
+        pid = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if is_expert_parameter(p):
+                    self._expert_pids[pid] = p
+                pid += 1
+
+    def shard(self, idx_BS, targets_BS):
+        rows = idx_BS.shape[0] // self.world_size
+        mine = slice(self.rank * rows, (self.rank + 1) * rows)
+        return idx_BS[mine], targets_BS[mine]
+
+    def clip(self, model, max_norm: float) -> float | None:
+        from moescale.parallel.grad_sync import allreduce_gradients, clip_grad_norm_
+
+        allreduce_gradients(model, self.groups)
+        return float(clip_grad_norm_(model, max_norm if max_norm > 0 else math.inf,
+                                     self.groups))
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        import torch.distributed as dist
+
+        from moescale.parallel.all_to_all import collective_errors
+
+        moved = t.to(self.device)
+        with collective_errors("training-metrics all-reduce", None):
+            dist.all_reduce(moved, op=op or dist.ReduceOp.SUM)
+        return moved.cpu()
+
+    def mean(self, values: list[float]) -> list[float]:
+        total = self._all_reduce(torch.tensor(values, dtype=torch.float64))
+        return [v / self.world_size for v in total.tolist()]
+
+    def sum_counts(self, counts):
+        if not counts:
+            return counts
+        flat = self._all_reduce(torch.cat([c.reshape(-1) for c in counts]))
+        return list(flat.split([c.numel() for c in counts]))
+
+    def any(self, flag: bool) -> bool:
+        return bool(self._all_reduce(torch.tensor([int(flag)]))[0])
+
+    def agree(self, value):
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        self._all_reduce(torch.zeros(1))
+
+    # checkpoints: consolidated, independent of the rank count
+    def model_state(self, model):
+        from moescale.parallel.state import full_state_dict
+
+        return full_state_dict(model, self.groups)
+
+    def load_model_state(self, model, state) -> None:
+        from moescale.parallel.state import load_full_state_dict
+
+        load_full_state_dict(model, state, self.groups)
+
+    def _expert_entry(self, name: str, value: torch.Tensor):
+        if not name.startswith("optim."):
+            return None
+        pid = int(name.split(".")[1])
+        param = self._expert_pids.get(pid)
+        if param is None or value.dim() == 0 or value.shape[1:] != param.shape[1:]:
+            return None
+        return param
+
+    def optimizer_tensors(self, optimizer, tensors):
+        """Gather the expert moments (dim 0: local experts) over the EP group."""
+        import torch.distributed as dist
+
+        from moescale.parallel.all_to_all import collective_errors
+
+        out = {}
+        for name in sorted(tensors):
+            value = tensors[name]
+            if self._expert_entry(name, value) is not None:
+                parts = [torch.empty_like(value) for _ in range(self.groups.ep_size)]
+                with collective_errors("optimizer-state gather", self.groups.ep_group):
+                    dist.all_gather(parts, value.contiguous(), group=self.groups.ep_group)
+                value = torch.cat(parts, 0)
+            out[name] = value
+        return out
+
+    def local_optimizer_tensors(self, optimizer, tensors):
+        """This rank's slice of consolidated expert moments."""
+        out = {}
+        for name, value in tensors.items():
+            param = self._expert_entry(name, value)
+            if param is not None:
+                local = param.shape[0]
+                start = self.groups.ep_rank * local
+                value = value[start:start + local].clone()
+            out[name] = value
+        return out
+
+    def plan(self, device) -> tuple[str, str]:
+        g, pc = self.groups, self.pconfig
+        return "device-only", (f"device-only, experts split over {g.ep_size} expert-parallel "
+                               f"ranks ({g.world_size} in all; chunks {pc.chunks}, reuse "
+                               f"{pc.reuse}) on {device}")
+
+
+def make_backend(config: RunConfig, run_dir: Path) -> LocalBackend:
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    try:
+        import torch.distributed as dist
+        multi = multi or (dist.is_available() and dist.is_initialized()
+                          and dist.get_world_size() > 1)
+    except ImportError:  # pragma: no cover
+        pass
+    if config.parallel.ep_size > 1 or multi:
+        if config.offload.mode != "device-only":
+            raise ValueError(f"offload.mode={config.offload.mode!r} in a multi-process run is "
+                             "not supported: offloading and expert parallelism are not "
+                             "combined in `moescale train` yet")
+        return ExpertParallelBackend(config)
+    if config.offload.mode != "device-only":
+        return OffloadBackend(config, run_dir)
+    return LocalBackend()
+
+
+def _rank_main(rank: int, world_size: int, tree: dict, run_dir: str, quiet: bool):
+    from moescale.train.config import load_config
+    from moescale.train.trainer import Trainer
+
+    config = load_config(None, None, base=tree)
+    out = open(os.devnull, "w") if quiet or rank else None
+    trainer = Trainer(config, run_dir, out=out, err=out)
+    code = trainer.run()
+    return code, getattr(trainer, "summary", None) if rank == 0 else None
+
+
+def train_distributed(config: RunConfig, run_dir: str | Path, world_size: int, *,
+                      quiet: bool = False, deadline_s: float = 3600.0):
+    """Train `config` on `world_size` local processes (gloo on CPU, NCCL on GPU); returns
+    (exit code, rank 0's summary). The Python twin of `torchrun --nproc-per-node N`."""
+    from moescale.parallel.launch import run_local
+    from moescale.train.config import to_dict
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    results = run_local(_rank_main, world_size, (to_dict(config), str(run_dir), quiet),
+                        backend=backend, timeout_s=config.parallel.timeout_s,
+                        deadline_s=deadline_s)
+    return results[0].value
