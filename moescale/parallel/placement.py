@@ -107,10 +107,10 @@ def plan_placement(counts: list[int], config: PlacementConfig,
     counts:   rows per expert this iteration (all-gathered and summed over ranks).
     resident: per device, the experts already in its cache (affinity: no upload cost there).
 
-    Speed: items are ordered by one key sort of indices (stable, so ties keep expert and row
-    order); without a cap or affinity the greedy loop is one `heapreplace` per item, with
-    loads kept in rows and scaled by row_cost at the end (the same order as scaling each item:
-    row_cost is uniform).
+    counts must be integers. Speed: items are ordered by one key sort of indices (stable, so
+    ties keep expert and row order); without a cap or affinity the greedy loop is one
+    `heapreplace` per item on int keys rows * D + device, with loads kept in rows and scaled
+    by row_cost at the end (the same order as scaling each item: row_cost is uniform).
     """
     num_devices = config.num_devices
     if resident is not None and len(resident) != num_devices:
@@ -121,8 +121,9 @@ def plan_placement(counts: list[int], config: PlacementConfig,
     fast = config.max_experts_per_device is None and not config.upload_cost
     hot = config.split and bool(order) and counts[order[0]] > target
     rebalance = fast and config.split and config.balance_tol is not None and total > 0
-    if fast and not hot:
-        placement = _lpt_whole(order, counts, num_devices, config.row_cost)
+    if fast:
+        placement = _lpt_split(order, counts, num_devices, target, config.row_cost) if hot \
+            else _lpt_whole(order, counts, num_devices, config.row_cost)
         if rebalance and placement.imbalance > 1 + config.balance_tol:
             _rebalance(placement, counts, config)
         return placement
@@ -134,11 +135,6 @@ def plan_placement(counts: list[int], config: PlacementConfig,
         items.append((n, e, 0, n))
     if hot:
         items = _split_items(items, target, num_devices)
-    if fast:
-        placement = _greedy_fast(items, counts, num_devices, config.row_cost)
-        if rebalance and placement.imbalance > 1 + config.balance_tol:
-            _rebalance(placement, counts, config)
-        return placement
     return _greedy(items, counts, config, resident)
 
 
@@ -188,26 +184,33 @@ def _rebalance(placement: Placement, counts, config: PlacementConfig) -> None:
 
 
 def _lpt_whole(order, counts, num_devices: int, row_cost: float) -> Placement:
-    """The common case (no split, cap or affinity): one heapreplace per expert with rows."""
-    heap = [(0, d) for d in range(num_devices)]
+    """The common case (no split, cap or affinity): one heapreplace per expert with rows.
+    Heap entries are ints rows * D + device (cheaper to compare than tuples; same order:
+    least rows first, ties to the lower device id)."""
+    heap = list(range(num_devices))
     shards: list[tuple[int, int, int, int]] = []
     append, heapreplace = shards.append, heapq.heapreplace
     for e in order:
         n = counts[e]
         if n <= 0:
             break
-        load, d = heap[0]
-        heapreplace(heap, (load + n, d))
-        append((e, d, 0, n))
+        key = heap[0]
+        heapreplace(heap, key + n * num_devices)
+        append((e, key % num_devices, 0, n))
+    return Placement(shards, _loads(heap, num_devices, row_cost))
+
+
+def _loads(heap: list[int], num_devices: int, row_cost: float) -> list[float]:
     loads = [0.0] * num_devices
-    for load, d in heap:
-        loads[d] = load * row_cost
-    return Placement(shards, loads)
+    for key in heap:
+        loads[key % num_devices] = key // num_devices * row_cost
+    return loads
 
 
 def _split_items(items, target: float, num_devices: int):
     """Replace the experts heavier than `target` (the first items) by near-equal row pieces,
-    merged into the order (rows descending, then expert id, then first row)."""
+    merged into the order (rows descending, then expert id, then first row). Given only hot
+    experts, returns their pieces in that order."""
     num_hot = 0
     while num_hot < len(items) and items[num_hot][0] > target:
         num_hot += 1
@@ -231,32 +234,50 @@ def _order_key(item):
     return -item[0], item[1], item[2]
 
 
-def _greedy_fast(items, counts, num_devices: int, row_cost: float) -> Placement:
-    """LPT without caps or affinity: a heap of (rows, device), ties to the lower device id;
-    pieces of one split expert go to distinct devices."""
-    heap = [(0, d) for d in range(num_devices)]
+def _lpt_split(order, counts, num_devices: int, target: float, row_cost: float) -> Placement:
+    """LPT with the hot experts (a prefix of `order`) cut into pieces, without caps or
+    affinity: the pieces (few, sorted) are merged into the walk over `order` on the fly, in
+    the order (rows descending, expert id, first row); int heap keys as in _lpt_whole;
+    pieces of one expert go to distinct devices."""
+    num_hot = 0
+    while num_hot < len(order) and counts[order[num_hot]] > target:
+        num_hot += 1
+    pieces = _split_items([(counts[e], e, 0, counts[e]) for e in order[:num_hot]], target,
+                          num_devices)
+    heap = list(range(num_devices))
     shards: list[tuple[int, int, int, int]] = []
     append, heapreplace = shards.append, heapq.heapreplace
     devices_of: dict[int, list[int]] = {}
-    for n, e, start, stop in items:
-        if stop - start == counts[e]:
-            load, d = heap[0]
-            heapreplace(heap, (load + n, d))
-        else:
-            taken = devices_of.setdefault(e, [])
-            aside = []
-            while heap[0][1] in taken:     # at most num_devices - 1 pieces are placed
-                aside.append(heapq.heappop(heap))
-            load, d = heap[0]
-            heapreplace(heap, (load + n, d))
-            for entry in aside:
-                heapq.heappush(heap, entry)
-            taken.append(d)
-        append((e, d, start, stop))
-    loads = [0.0] * num_devices
-    for load, d in heap:
-        loads[d] = load * row_cost
-    return Placement(shards, loads)
+
+    def place_piece(piece) -> None:
+        size, e, start, stop = piece
+        taken = devices_of.setdefault(e, [])
+        aside = []
+        while heap[0] % num_devices in taken:   # at most D - 1 pieces are placed
+            aside.append(heapq.heappop(heap))
+        key = heap[0]
+        heapreplace(heap, key + size * num_devices)
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        taken.append(key % num_devices)
+        append((e, key % num_devices, start, stop))
+
+    p, num_pieces = 0, len(pieces)
+    next_size = pieces[0][0]
+    for e in order[num_hot:]:
+        n = counts[e]
+        if n <= 0:
+            break
+        while next_size >= n and (next_size > n or pieces[p][1] < e):
+            place_piece(pieces[p])
+            p += 1
+            next_size = pieces[p][0] if p < num_pieces else -1
+        key = heap[0]
+        heapreplace(heap, key + n * num_devices)
+        append((e, key % num_devices, 0, n))
+    for piece in pieces[p:]:
+        place_piece(piece)
+    return Placement(shards, _loads(heap, num_devices, row_cost))
 
 
 def _greedy(items, counts, config: PlacementConfig, resident) -> Placement:
