@@ -433,26 +433,28 @@ def make_backend(config: RunConfig, run_dir: Path) -> LocalBackend:
     return LocalBackend()
 
 
-def _rank_main(rank: int, world_size: int, tree: dict, run_dir: str, quiet: bool):
+def _rank_main(rank: int, world_size: int, tree: dict, run_dir: str, quiet: bool,
+               resume: bool):
     from moescale.train.config import load_config
     from moescale.train.trainer import Trainer
 
     config = load_config(None, None, base=tree)
     out = open(os.devnull, "w") if quiet or rank else None
-    trainer = Trainer(config, run_dir, out=out, err=out)
+    trainer = Trainer(config, run_dir, resume=resume, out=out, err=out)
     code = trainer.run()
     return code, getattr(trainer, "summary", None) if rank == 0 else None
 
 
 def train_distributed(config: RunConfig, run_dir: str | Path, world_size: int, *,
-                      quiet: bool = False, deadline_s: float = 3600.0):
+                      resume: bool = False, quiet: bool = False, deadline_s: float = 3600.0):
     """Train `config` on `world_size` local processes (gloo on CPU, NCCL on GPU); returns
-    (exit code, rank 0's summary). The Python twin of `torchrun --nproc-per-node N`."""
+    (exit code, rank 0's summary). The Python twin of `torchrun --nproc-per-node N -m
+    moescale train` (resume=True: `--resume run_dir`, with `config` as the full config)."""
     from moescale.parallel.launch import run_local
     from moescale.train.config import to_dict
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    results = run_local(_rank_main, world_size, (to_dict(config), str(run_dir), quiet),
+    results = run_local(_rank_main, world_size, (to_dict(config), str(run_dir), quiet, resume),
                         backend=backend, timeout_s=config.parallel.timeout_s,
                         deadline_s=deadline_s)
     return results[0].value
