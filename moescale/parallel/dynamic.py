@@ -276,7 +276,8 @@ class DynamicPlacementDispatcher:
             device_load=loads, device_rows=rows, max_load=max(loads), mean_load=mean,
             imbalance=max(loads) / mean if mean > 0 else 1.0,
             num_split=len({e for e, d, a, b in placement.raw_shards if b - a < total_E[e]}),
-            bound=max(total_E) * self.config.row_cost * self.size / total if total else 1.0)
+            bound=max(1.0, max(total_E) * self.config.row_cost * self.size / total)
+            if total else 1.0)
         self.last_placement = placement
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
