@@ -85,3 +85,11 @@ def test_auto_tier_needs_its_inputs():
     from moescale.offload import OffloadConfig
     with pytest.raises(ValueError, match="tokens_per_micro_batch"):
         OffloadConfig(tier="auto", device_budget_bytes=1 << 20)
+
+
+def test_moescale_plan_through_the_top_level_cli(capsys):
+    from moescale.cli import main as cli_main
+    assert cli_main(["plan", "--experts", "8", "--moe-layers", "2"]) == 0
+    assert "pick:" in capsys.readouterr().out
+    assert cli_main(["plan", "--experts", "0"]) == 2  # a user error: one line, exit 2
+    assert "num_experts=0" in capsys.readouterr().err
