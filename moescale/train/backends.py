@@ -238,11 +238,17 @@ class OffloadBackend(LocalBackend):
         return out
 
     def plan(self, device) -> tuple[str, str]:
-        cfg = self.engine.config
+        from moescale.offload.planner import fmt_bytes
+
+        cfg, store = self.engine.config, self.engine.store
         budget = self.engine.device.budget_bytes
-        where = {"host": "host RAM", "disk": f"disk ({cfg.directory})"}[cfg.tier]
-        text = (f"experts in {where}, device budget "
-                f"{'unbounded' if budget is None else f'{budget / 2**20:,.2f} MiB'}"
+        itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
+        expert = max(lay.numel for lay in store.layouts) * itemsize
+        where = {"host": "host RAM", "disk": f"disk ({cfg.directory}, host cache "
+                 f"{fmt_bytes(store.config.host_cache_bytes or 0)})"}[cfg.tier]
+        shown = "unbounded" if budget is None else \
+            f"{fmt_bytes(budget)} = {budget / expert:.1f} experts"
+        text = (f"experts in {where}, device budget {shown}"
                 f", {cfg.step_mode} steps, activations {cfg.activation_policy}"
                 + (f", hottest {cfg.pin_fraction:.0%} pinned" if cfg.pin_fraction else ""))
         if self.pick is None:

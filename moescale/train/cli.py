@@ -3,6 +3,8 @@
     moescale train                                   # the tiny MoE GPT on the built-in corpus
     moescale train --config run.toml --model.num_experts 32 --train.steps 2000
     moescale train --resume runs/20260101-120000     # continue exactly where it stopped
+    moescale train --offload.mode host --offload.device_budget_experts 2   # experts in RAM
+    torchrun --nproc-per-node 2 -m moescale train --parallel.ep_size 2      # experts split
 
 Options are `--section.name VALUE` (or `--section.name=VALUE`), converted by the type of the
 config field; `--help` lists them all with their defaults. A user error raises ValueError, which
@@ -31,6 +33,12 @@ metrics.jsonl, checkpoints/, summary.json and report.png.
   --resume RUN_DIR     continue a run from its newest valid checkpoint (same losses as if
                        never stopped); Ctrl-C saves a checkpoint and exits with code 130
   -h, --help           this text
+
+Offloading: --offload.mode host|pin|disk|auto keeps expert state in RAM or on disk and streams
+experts through a device budget (--offload.device_budget BYTES or _experts N; auto: the
+planner picks the mode for the budget). Expert parallelism: launch with
+`torchrun --nproc-per-node N -m moescale train --parallel.ep_size N ...` (gloo on CPU, NCCL
+on GPU); rank 0 prints and writes, checkpoints resume at any rank count.
 
 options (--section.option VALUE; 'none' unsets an optional value):"""
 

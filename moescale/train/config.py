@@ -302,6 +302,7 @@ class RunConfig:
 CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTERS, "optim.schedule": SCHEDULES,
            "train.precision": PRECISIONS, "offload.mode": OFFLOAD_MODES,
            "offload.step_mode": STEP_MODES, "offload.activation_policy": ACTIVATION_POLICIES,
+           "offload.rates": ("measure", "a100"),
            "parallel.reuse": REUSE_STRATEGIES, "parallel.placement": PLACEMENTS,
            "data.token_dtype": TOKEN_DTYPES}
 

@@ -42,6 +42,7 @@ import torch
 
 from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
+from moescale.offload.planner import fmt_bytes
 from moescale.train.backends import make_backend
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
                                        load_latest, optimizer_from_flat, optimizer_to_flat,
@@ -427,15 +428,15 @@ class Trainer:
     def _print_summary(self, s: dict) -> None:
         fmt = (lambda v, f: format(v, f) if v is not None else "n/a")
         mem = s["memory"]
-        tiers = f"host RSS {mem['host_peak_rss_bytes'] / 2**20:,.0f} MiB"
+        tiers = f"host RSS {fmt_bytes(mem['host_peak_rss_bytes'])}"
         if "device_peak_bytes" in mem:
             budget = mem.get("device_budget_bytes")
-            tiers += f", device {mem['device_peak_bytes'] / 2**20:,.2f} MiB" + \
-                (f" (budget {budget / 2**20:,.2f} MiB)" if budget else "")
+            tiers += f", device {fmt_bytes(mem['device_peak_bytes'])}" + \
+                (f" (budget {fmt_bytes(budget)})" if budget else "")
         if "disk_bytes" in mem:
-            tiers += (f", disk {mem['disk_bytes'] / 2**20:,.1f} MiB (read "
-                      f"{mem['disk_read_bytes'] / 2**20:,.0f} MiB, written "
-                      f"{mem['disk_written_bytes'] / 2**20:,.0f} MiB)")
+            tiers += (f", disk {fmt_bytes(mem['disk_bytes'])} (read "
+                      f"{fmt_bytes(mem['disk_read_bytes'])}, written "
+                      f"{fmt_bytes(mem['disk_written_bytes'])})")
         lines = [
             f"run dir:      {self.run_dir}",
             f"data:         {self.data.description}",
