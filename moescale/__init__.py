@@ -8,12 +8,13 @@ from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE, MoEConfig, MoEStats, collect_aux_loss
 from moescale.layers.reference import ReferenceMoE
 from moescale.models import GPT, GPTConfig, gpt_config, moefy
+from moescale.offload import OffloadConfig, offload_moe
 from moescale.routing.config import RouterConfig
 from moescale.routing.routers import Router, RouterOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT", "GPTConfig", "gpt_config", "moefy", "GroupedExperts", "ModuleExperts", "MoE", "MoEConfig", "MoEStats", "ReferenceMoE",
+    "GPT", "GPTConfig", "gpt_config", "moefy", "OffloadConfig", "offload_moe", "GroupedExperts", "ModuleExperts", "MoE", "MoEConfig", "MoEStats", "ReferenceMoE",
     "Router", "RouterConfig", "RouterOutput", "collect_aux_loss", "__version__",
 ]

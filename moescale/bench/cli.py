@@ -14,6 +14,10 @@ BENCHMARKS = {
     "quality": ("moescale.bench.quality",
                 "MoE GPT vs a dense GPT with the same active parameters, equal training time"),
     "placement": ("moescale.bench.placement", "device load of static placement, LPT, LPT + split"),
+    "offload": ("moescale.bench.offload", "host-tier offloading vs all-resident step time"),
+    "offload-disk": ("moescale.bench.offload_disk",
+                     "disk tier beyond RAM: >= 8 GB expert state, peak RSS, bytes moved"),
+    "plan-check": ("moescale.bench.plan_check", "planner step-time predictions vs measured"),
 }
 
 
