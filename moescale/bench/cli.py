@@ -23,7 +23,7 @@ BENCHMARKS = {
 
 def _usage() -> str:
     lines = ["usage: moescale bench <benchmark> [options]", "", "benchmarks:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in BENCHMARKS.items()]
+    lines += [f"  {name:<13} {help_}" for name, (_, help_) in BENCHMARKS.items()]
     lines.append("\n`moescale bench <benchmark> --help` lists its options.")
     return "\n".join(lines)
 
