@@ -1,6 +1,7 @@
 """torch.distributed for MoE: process groups, the autograd all-to-all, static expert parallelism,
 the pipelined all-to-all (reuse strategies, cost model, tuner), gradient synchronization,
-portable state dicts, and a local multi-process launcher. See docs/expert_parallel.md.
+portable state dicts, a local multi-process launcher, and dynamic placement (LPT with hot-expert
+splitting over a shared host store). See docs/expert_parallel.md and docs/dynamic_placement.md.
 
 Importing this package imports torch.distributed; `moescale.layers` and `moescale.routing`
 never do.
@@ -9,6 +10,10 @@ never do.
 from moescale.parallel.all_to_all import (all_reduce_sum, all_to_all_rows,
                                           all_to_all_rows_async, exchange_counts,
                                           start_all_to_all)
+from moescale.parallel.dynamic import (DynamicPlacementDispatcher, PlacementStats,
+                                       load_model_config, placement_stats, sum_expert_grads)
+from moescale.parallel.dynamic_experts import (SharedStoreExperts, dynamic_placement_moe,
+                                               shared_expert_store, step_shared_experts)
 from moescale.parallel.cost_model import LayerShape, Rates, choose_strategy, measure_rates
 from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, ExpertShard,
                                                expert_parallel_model, expert_parallel_moe,
@@ -19,12 +24,16 @@ from moescale.parallel.grad_sync import (allreduce_gradients, clip_grad_norm_,
 from moescale.parallel.groups import (ParallelConfig, ParallelGroups, build_groups,
                                       groups_from, init_distributed)
 from moescale.parallel.launch import run_local
+from moescale.parallel.placement import Placement, PlacementConfig, plan_placement
 from moescale.parallel.pipeline import PipelinedAllToAll, PipelinedExpertParallelDispatcher
 from moescale.parallel.setup import setup_expert_parallel
 from moescale.parallel.state import full_state_dict, load_full_state_dict
 from moescale.parallel.tuner import ChunkTuner, TunerConfig
 
 __all__ = [
+    "DynamicPlacementDispatcher", "Placement", "PlacementConfig", "PlacementStats",
+    "SharedStoreExperts", "dynamic_placement_moe", "load_model_config", "placement_stats",
+    "plan_placement", "shared_expert_store", "step_shared_experts", "sum_expert_grads",
     "ChunkTuner", "ExpertParallelDispatcher", "ExpertShard", "LayerShape", "ParallelConfig",
     "ParallelGroups", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher", "Rates",
     "TunerConfig", "all_reduce_sum", "all_to_all_rows", "all_to_all_rows_async",
