@@ -20,7 +20,10 @@ The Trainer (trainer.py) owns the loop; a backend owns what differs between thes
   after backward averages gradients and clips by the global norm. Logged numbers (losses,
   routed tokens) are reduced over the world; checkpoints are consolidated (`full_state_dict`
   plus the experts' AdamW moments gathered the same way), so they equal a single-process
-  checkpoint and resume at any EP size. Only rank 0 writes files or prints.
+  checkpoint and resume at any EP size. Only rank 0 writes files or prints. With more ranks
+  than `ep_size` (data-parallel replicas of each EP group, e.g. ep_size 1 on 2 ranks) the
+  balance loss is computed per EP group's tokens, as in ordinary data parallelism, so such a
+  run is not identical to one process (ep_size = world size is).
 
 `train_distributed(config, world_size)` is the Python-API twin of
 `torchrun --nproc-per-node N -m moescale train ...` (real processes via `run_local`).
