@@ -250,7 +250,6 @@ class OffloadEngine:
         self.optimizer.step_all(grad_coef=self._grad_coef)
         self._grad_coef = None
         self.last_micro_batch = True
-        self.plan = None  # set by offload_moe for tier='auto'
         self._trace.clear()
         self.cache.repin(reserve_rotating=2 + self.config.lookahead)
 

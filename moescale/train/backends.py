@@ -189,7 +189,7 @@ class OffloadBackend(LocalBackend):
             self.engine = offload_moe(model, cfg)
         except ValueError as err:
             raise ValueError(f"offload.mode={self.config.offload.mode!r}: {err}") from None
-        if self.engine.plan is not None:    # captured now: the engine forgets it at step()
+        if self.engine.plan is not None:    # the planner's pick for tier="auto"
             self.estimates, self.pick = self.engine.plan
 
     def attach(self, optimizer) -> None:
