@@ -23,7 +23,6 @@ at this scale. This file only orchestrates `moescale.train`; it adds no training
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from moescale.atomic import atomic_write_json
 from moescale.train.config import load_config
 
 
@@ -47,13 +47,7 @@ def _hardware_tag() -> str:
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, payload)
 
 
 def _overrides(args, run_dir: str, dense: bool, d_ff: int, top_k: int) -> dict:

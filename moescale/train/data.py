@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moescale.atomic import atomic_write_bytes
 from moescale.train.config import DataSection
 
 CORPUS_VERSION = 1
@@ -65,12 +66,7 @@ def is_validation(relpath: str, val_fraction: float) -> bool:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data)
 
 
 def _read_files(root: Path, relpaths: list[str], val_fraction: float):

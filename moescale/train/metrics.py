@@ -13,8 +13,9 @@ This file formats and stores numbers; it computes none of them.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from moescale.atomic import atomic_write_text
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -55,12 +56,7 @@ class MetricsLog:
             return
         kept = [r for r in read_metrics(self.path)
                 if r.get("kind") in ("train", "val") and r.get("step", 0) <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def close(self) -> None:
         if self._file is not None:

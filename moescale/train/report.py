@@ -10,9 +10,9 @@ This file reads metrics; it never touches the model or the training state.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from moescale.atomic import atomic_path
 from moescale.train.metrics import read_metrics
 
 
@@ -88,8 +88,7 @@ def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path | 
         ax.text(0.5, 0.5, "no MoE layers", ha="center", va="center")
         ax.set_axis_off()
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=90)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
     plt.close(fig)
-    os.replace(tmp, out)
     return out

@@ -28,7 +28,6 @@ Legend: B batch, S sequence, L MoE layers, E experts.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import resource
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from moescale.atomic import atomic_write_json, atomic_write_text
 from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
 from moescale.offload.planner import fmt_bytes
@@ -191,10 +191,7 @@ class Trainer:
         resolved.train.run_dir = str(self.run_dir)
         text = "# resolved configuration of this run (moescale train --config this file)\n"
         text += to_toml(resolved)
-        path = self.run_dir / "config.toml"
-        tmp = path.with_name(f".config.toml.tmp{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(self.run_dir / "config.toml", text)
 
     def _resume(self) -> None:
         path, tensors, state = load_latest(self.ckpt_dir, warn=lambda m: print(m, file=self.err))
@@ -419,9 +416,7 @@ class Trainer:
         report = write_report(self.run_dir)
         summary["report"] = str(report) if report else None
         summary["sample"] = sample
-        tmp = self.run_dir / f".summary.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, self.run_dir / "summary.json")
+        atomic_write_json(self.run_dir / "summary.json", summary)
         self._print_summary(summary)
         return summary
 
