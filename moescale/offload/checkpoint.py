@@ -25,27 +25,10 @@ import shutil
 
 import torch
 
+from moescale.atomic import atomic_write_text, fsync_dir
 from moescale.offload.store import ExpertStore
 
 LATEST = "expert-store.LATEST"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def save_store(store: ExpertStore, directory: str, tag: str) -> str:
@@ -53,10 +36,14 @@ def save_store(store: ExpertStore, directory: str, tag: str) -> str:
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory={directory!r} does not exist; create it first")
     name = f"expert-store-{tag}"
+    for k in range(1, 1 << 20):   # never overwrite a directory LATEST may name
+        if not os.path.exists(os.path.join(directory, name)):
+            break
+        name = f"expert-store-{tag}.{k}"
     final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     try:
+        os.makedirs(tmp)
         meta = {"layouts": [list(zip(lay.names, lay.shapes)) for lay in store.layouts],
                 "num_experts": store.num_experts, "steps": {}}
         for layer, num in enumerate(store.num_experts):
@@ -71,12 +58,16 @@ def save_store(store: ExpertStore, directory: str, tag: str) -> str:
                         store.release((layer, e))
                 f.flush()
                 os.fsync(f.fileno())
-        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta))
-        _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
+        atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta))
+        fsync_dir(tmp)
         os.replace(tmp, final)
-        _fsync_dir(directory)
-        _write_atomic(os.path.join(directory, LATEST), name)
+        fsync_dir(directory)
+        atomic_write_text(os.path.join(directory, LATEST), name)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(err.errno, f"could not write the expert-store checkpoint under "
+                      f"{directory!r} ({err.strerror or err}); the previous checkpoint is intact "
+                      "(free disk space or choose another directory, then save again)") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

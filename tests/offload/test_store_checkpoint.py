@@ -82,3 +82,36 @@ def test_failed_checkpoint_leaves_the_last_one_intact(tmp_path):
     assert {p: open(os.path.join(first, p), "rb").read() for p in os.listdir(first)} == before
     with pytest.raises(OSError, match="truncated"):  # no half-read entry was left cached
         engine.store.acquire((1, 2))
+
+
+def test_checkpoint_that_runs_out_of_space_leaves_the_last_one_intact(tmp_path):
+    """A write that fails for lack of space (here: RLIMIT_FSIZE, the kernel refusing to grow a
+    file past 32 KiB, as a full disk refuses any growth) fails the save with an OSError and
+    leaves the previous checkpoint and LATEST exactly as they were."""
+    import resource
+    import signal
+
+    store_dir, ckpt = tmp_path / "store", tmp_path / "ckpt"
+    store_dir.mkdir(), ckpt.mkdir()
+    cfg = OffloadConfig(tier="disk", directory=str(store_dir), host_cache_bytes=2 * 4 * 4 * 1024,
+                        device_budget_experts=2)
+    model, engine, opt = fresh(cfg)
+    run(model, engine, opt, 1, 0)
+    first = engine.save_checkpoint(str(ckpt), "1")
+    before = {p: open(os.path.join(first, p), "rb").read() for p in os.listdir(first)}
+    assert max(len(b) for b in before.values()) > 32 * 1024  # the next save must hit the limit
+    run(model, engine, opt, 1, 1)
+    engine.synchronize()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, hard))
+    try:
+        with pytest.raises(OSError, match="previous checkpoint is intact"):
+            engine.save_checkpoint(str(ckpt), "2")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert open(ckpt / LATEST).read() == "expert-store-1"
+    assert sorted(os.listdir(ckpt)) == sorted([LATEST, "expert-store-1"])
+    assert {p: open(os.path.join(first, p), "rb").read() for p in os.listdir(first)} == before
+    engine.close()
