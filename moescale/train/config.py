@@ -40,10 +40,10 @@ PLACEMENTS = ("static", "dynamic")
 TOKEN_DTYPES = ("uint8", "uint16", "int32")
 
 # The default run (`moescale train` with no options): the tiny model at batch 16 x 128 tokens.
-# Measured on the 2-core AVX2 development machine: 0.46 s of CPU time per step on one thread,
-# about 0.3 s per step on two unloaded cores, so 1000 steps (+ 10 validations, start-up and the
-# sample) take about 5 minutes.
-DEFAULT_STEPS = 1000
+# Measured on the 2-core AVX2 development machine at low load: ~3,000 tokens/s whether on 1 or 2
+# threads (the tiny model's GEMMs are too small to split), i.e. ~0.65 s per step, so 500 steps
+# (+ 5 validations, start-up and the sample) take about 5-6 minutes.
+DEFAULT_STEPS = 500
 
 
 def _need(cond: bool, option: str, value, fix: str) -> None:
