@@ -47,6 +47,20 @@ class MoEStack(nn.Module):
         return x.square().mean() + collect_aux_loss(self)
 
 
+def training_step(model, x, opt, engine=None, autocast_bf16: bool = False) -> None:
+    """One timed iteration: forward + backward, expert steps, dense step, zero_grad; with an
+    engine, waits for the expert steps (no credit for overlapping them with the next forward)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+        loss = model(x)
+    loss.backward()
+    if engine is not None:
+        engine.step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if engine is not None:
+        engine.synchronize()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moescale bench offload", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=2)
@@ -76,18 +90,9 @@ def main(argv=None) -> int:
 
     def make(name, model, opt, engine):
         def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=lowp):
-                loss = model(x)
-            loss.backward()
-            if engine is not None:
-                engine.step()
-            opt.step()
-            if engine is not None:  # timed: the expert steps finish inside this step (no
-                engine.synchronize()  # credit for overlapping them with the next forward)
+            training_step(model, x, opt, engine, autocast_bf16=lowp)
 
-        def reset():
-            opt.zero_grad(set_to_none=True)
-        items.append(Timed(name=name, step=step, reset=reset, runs=args.runs, warmup=1))
+        items.append(Timed(name=name, step=step, reset=lambda: None, runs=args.runs, warmup=1))
 
     resident = copy.deepcopy(base)
     make("resident", resident,

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.offload import MoEStack, training_step
 
 GIB = 1 << 30
 
@@ -79,7 +80,6 @@ def _disk_bandwidth(directory: str, nbytes: int = 256 << 20) -> tuple[float, flo
 
 def _compute_estimate(args) -> float:
     """Step time of the same layers with 2 resident experts (same routed rows)."""
-    from moescale.bench.offload import MoEStack
     torch.manual_seed(0)
     model = MoEStack(args.layers, args.d_model, args.d_ff, 2, min(args.top_k, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -95,7 +95,6 @@ def _compute_estimate(args) -> float:
 
 
 def _child(args) -> dict:
-    from moescale.bench.offload import MoEStack
     from moescale.offload import OffloadConfig, offload_moe
     from moescale.offload.planner import measure_rates
 
@@ -130,11 +129,7 @@ def _child(args) -> dict:
     for i in range(1 + args.steps):
         read0, written0 = store.bytes_read, store.bytes_written
         start = time.perf_counter()
-        model(x).backward()
-        engine.step()
-        opt.step()
-        opt.zero_grad()
-        engine.synchronize()
+        training_step(model, x, opt, engine)
         store.flush()  # count the write-back of this step's dirty records in this step
         elapsed = time.perf_counter() - start
         steps.append(dict(seconds=elapsed, bytes_read=store.bytes_read - read0,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from moescale.bench.measure import hardware_tag, write_json
-from moescale.bench.offload import MoEStack
+from moescale.bench.offload import MoEStack, training_step
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.planner import Budgets, ModelSpec, estimate, measure_rates
 
@@ -43,11 +43,7 @@ def _measure(layers, d_model, d_ff, experts, tokens, runs) -> float:
     times = []
     for _ in range(1 + runs):
         start = time.perf_counter()
-        model(x).backward()
-        engine.step()
-        opt.step()
-        opt.zero_grad()
-        engine.synchronize()
+        training_step(model, x, opt, engine)
         times.append(time.perf_counter() - start)
     engine.close()
     return statistics.median(times[1:])

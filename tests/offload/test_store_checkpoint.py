@@ -62,7 +62,8 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path, tier):
     assert got == pytest.approx(want, rel=1e-6)
 
 
-def test_failed_checkpoint_leaves_the_last_one_intact(tmp_path):
+def first_disk_checkpoint(tmp_path):
+    """A disk-tier run of one step and its checkpoint "1", with the bytes of every file in it."""
     store_dir, ckpt = tmp_path / "store", tmp_path / "ckpt"
     store_dir.mkdir(), ckpt.mkdir()
     cfg = OffloadConfig(tier="disk", directory=str(store_dir), host_cache_bytes=2 * 4 * 4 * 1024,
@@ -70,7 +71,15 @@ def test_failed_checkpoint_leaves_the_last_one_intact(tmp_path):
     model, engine, opt = fresh(cfg)
     run(model, engine, opt, 1, 0)
     first = engine.save_checkpoint(str(ckpt), "1")
-    before = {p: open(os.path.join(first, p), "rb").read() for p in os.listdir(first)}
+    return model, engine, opt, ckpt, first, read_files(first)
+
+
+def read_files(directory):
+    return {p: open(os.path.join(directory, p), "rb").read() for p in os.listdir(directory)}
+
+
+def test_failed_checkpoint_leaves_the_last_one_intact(tmp_path):
+    model, engine, opt, ckpt, first, before = first_disk_checkpoint(tmp_path)
     engine.store.drop_cache()  # so that the next save reads the files
     victim = engine.store.path((1, 2))
     with open(victim, "r+b") as f:
@@ -79,7 +88,7 @@ def test_failed_checkpoint_leaves_the_last_one_intact(tmp_path):
         engine.save_checkpoint(str(ckpt), "2")
     assert open(ckpt / LATEST).read() == "expert-store-1"
     assert sorted(os.listdir(ckpt)) == sorted([LATEST, "expert-store-1"])
-    assert {p: open(os.path.join(first, p), "rb").read() for p in os.listdir(first)} == before
+    assert read_files(first) == before
     with pytest.raises(OSError, match="truncated"):  # no half-read entry was left cached
         engine.store.acquire((1, 2))
 
@@ -91,14 +100,7 @@ def test_checkpoint_that_runs_out_of_space_leaves_the_last_one_intact(tmp_path):
     import resource
     import signal
 
-    store_dir, ckpt = tmp_path / "store", tmp_path / "ckpt"
-    store_dir.mkdir(), ckpt.mkdir()
-    cfg = OffloadConfig(tier="disk", directory=str(store_dir), host_cache_bytes=2 * 4 * 4 * 1024,
-                        device_budget_experts=2)
-    model, engine, opt = fresh(cfg)
-    run(model, engine, opt, 1, 0)
-    first = engine.save_checkpoint(str(ckpt), "1")
-    before = {p: open(os.path.join(first, p), "rb").read() for p in os.listdir(first)}
+    model, engine, opt, ckpt, first, before = first_disk_checkpoint(tmp_path)
     assert max(len(b) for b in before.values()) > 32 * 1024  # the next save must hit the limit
     run(model, engine, opt, 1, 1)
     engine.synchronize()
@@ -113,5 +115,5 @@ def test_checkpoint_that_runs_out_of_space_leaves_the_last_one_intact(tmp_path):
         signal.signal(signal.SIGXFSZ, old_handler)
     assert open(ckpt / LATEST).read() == "expert-store-1"
     assert sorted(os.listdir(ckpt)) == sorted([LATEST, "expert-store-1"])
-    assert {p: open(os.path.join(first, p), "rb").read() for p in os.listdir(first)} == before
+    assert read_files(first) == before
     engine.close()
