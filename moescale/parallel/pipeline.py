@@ -9,9 +9,13 @@ the return exchange, with a hand-written, hand-pipelined backward:
   backward  chunk k+1's output gradient travels (combine group) while chunk k's expert
             backward runs; chunk k's input gradient goes back on the dispatch group.
 
-Chunks are cut inside every (peer, expert) bin: a bin of n rows gives rows
-[n*k//C, n*(k+1)//C) to chunk k. Sender and receiver know n (the counts exchange), so both
-compute the same cuts: no padding, no extra messages, one exchange per chunk and direction.
+Chunks are cut inside every (peer, expert) bin: a bin of n rows is cut into C pieces, piece j
+= rows [n*j//C, n*(j+1)//C), and chunk k takes piece (k + s*L + l) mod C of the bin that source
+rank s sends to local expert l. The rotation spreads the bins' larger pieces over the chunks, so
+each chunk receives ceil(S/C) rows give or take one (without it, chunk C-1 would take the larger
+piece of every bin: up to S/C + W*L rows). Sender and receiver know n (the counts exchange) and
+(s, l), so both compute the same cuts: no padding, no extra messages, one exchange per chunk and
+direction.
 
 Memory reuse (MPipeMoE's strategies; `none` keeps everything per chunk). What backward needs
 of each chunk is the dispatched input (DI) and the expert hidden (H):
@@ -70,8 +74,15 @@ def ranges_index(starts: list[int], lengths: list[int], device) -> torch.Tensor:
     return torch.arange(total, device=device) + shift
 
 
-def _cut(n: int, k: int, num_chunks: int) -> tuple[int, int]:
-    return n * k // num_chunks, n * (k + 1) // num_chunks
+def _cut(n: int, k: int, num_chunks: int, rotation: int) -> tuple[int, int]:
+    """Rows [lo, hi) of an n-row bin that chunk k takes (its piece (k + rotation) mod C)."""
+    j = (k + rotation) % num_chunks
+    return n * j // num_chunks, n * (j + 1) // num_chunks
+
+
+def _piece(n: int, k: int, num_chunks: int, rotation: int) -> int:
+    lo, hi = _cut(n, k, num_chunks, rotation)
+    return hi - lo
 
 
 @dataclass
@@ -92,8 +103,9 @@ class ChunkLayout:
 
 
 def chunk_layouts(send_WL: list[list[int]], recv_WL: list[list[int]],
-                  token_idx_R: torch.Tensor, num_chunks: int) -> list[ChunkLayout]:
-    """Cut every (peer, expert) bin into num_chunks pieces (no padding)."""
+                  token_idx_R: torch.Tensor, num_chunks: int, rank: int) -> list[ChunkLayout]:
+    """Cut every (peer, expert) bin into num_chunks pieces (no padding); `rank` is this rank's
+    index in the EP group (the bins it sends are (rank, l) to their receivers)."""
     device = token_idx_R.device
     W, L = len(send_WL), len(send_WL[0])
     offsets, off = {}, 0
@@ -107,13 +119,12 @@ def chunk_layouts(send_WL: list[list[int]], recv_WL: list[list[int]],
         for p in range(W):
             sent = 0
             for l in range(L):
-                lo, hi = _cut(send_WL[p][l], k, num_chunks)
+                lo, hi = _cut(send_WL[p][l], k, num_chunks, rank * L + l)
                 starts.append(offsets[p, l] + lo)
                 lengths.append(hi - lo)
                 sent += hi - lo
             send_splits.append(sent)
-        recv_piece_WL = [[_cut(recv_WL[s][l], k, num_chunks)[1] -
-                          _cut(recv_WL[s][l], k, num_chunks)[0] for l in range(L)]
+        recv_piece_WL = [[_piece(recv_WL[s][l], k, num_chunks, s * L + l) for l in range(L)]
                          for s in range(W)]
         row_idx = ranges_index(starts, lengths, device)
         perm, local_counts = expert_major_order(recv_piece_WL, device)
@@ -407,7 +418,8 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         bucket = bucket_of(max_rows)
         chunks = self.tuner.choose(bucket) if self.tuner is not None else self.num_chunks
         self.history.append((bucket, chunks))
-        layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, chunks)
+        layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, chunks,
+                                self.groups.ep_rank)
         x_TD = x_TD.to(compute_dtype(x_TD))
         strategy = self.strategy_for(max_rows, chunks, local, x_TD)
         spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=strategy,

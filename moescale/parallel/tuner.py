@@ -1,10 +1,13 @@
 """Online chunk-count tuner for the pipelined all-to-all (MPipeMoE's adaptive granularity).
 
 Per token-count bucket (the bit length of the largest row count of any rank in the EP group),
-the tuner tries every candidate chunk count `trials` times, then keeps the one with the
-smallest median forward+backward time (the median resists the occasional slow step that
-other processes cause). 1 is always a candidate, so pipelining never loses
-to not pipelining by more than the measurement noise.
+the tuner first runs `warmup` calls at one chunk without recording them (the first steps of a
+process pay for allocator growth, connection set-up and cold caches, and would bias whichever
+candidate came first), then tries the candidates round-robin, `trials` measurements each
+(round-robin, not one candidate after the other, so that a drift in background load hits every
+candidate alike), then keeps the one with the smallest median forward+backward time (the
+median resists the occasional slow step that other processes cause). 1 is always a
+candidate, so pipelining never loses to not pipelining by more than the measurement noise.
 
 Identical on every rank by construction: the dispatcher feeds it the MAX over the ranks of
 each measured time and the bucket from the ranks' row counts, both carried by the counts
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 class TunerConfig:
     candidates: tuple[int, ...] = (1, 2, 4, 8)
     trials: int = 3              # measurements per candidate before exploiting the best
+    warmup: int = 2              # first calls of a bucket run 1 chunk and are not recorded
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -35,6 +39,9 @@ class TunerConfig:
         self.candidates = tuple(sorted(set(cands)))
         if not isinstance(self.trials, int) or self.trials < 1:
             raise ValueError(f"trials={self.trials!r} must be an integer >= 1")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup!r} must be an integer >= 0 (calls not "
+                             "measured at the start of each bucket)")
 
 
 def bucket_of(max_rows: int) -> int:
@@ -46,16 +53,20 @@ def bucket_of(max_rows: int) -> int:
 class ChunkTuner:
     config: TunerConfig = field(default_factory=TunerConfig)
     samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    skipped: dict[int, int] = field(default_factory=dict)   # warm-up measurements dropped
 
     def _bucket(self, bucket: int) -> dict[int, list[float]]:
         return self.samples.setdefault(bucket, {c: [] for c in self.config.candidates})
 
     def choose(self, bucket: int) -> int:
-        """Next chunk count for this bucket: explore in order, then the fastest."""
+        """Next chunk count for this bucket: warm up at 1, explore round-robin, then the
+        fastest."""
+        if self.skipped.get(bucket, 0) < self.config.warmup:
+            return 1
         table = self._bucket(bucket)
-        for c in self.config.candidates:
-            if len(table[c]) < self.config.trials:
-                return c
+        fewest = min(len(v) for v in table.values())
+        if fewest < self.config.trials:
+            return next(c for c in self.config.candidates if len(table[c]) == fewest)
         return self.best(bucket)
 
     def best(self, bucket: int) -> int:
@@ -66,6 +77,10 @@ class ChunkTuner:
         return min(measured, key=lambda c: (statistics.median(table[c]), c))
 
     def record(self, bucket: int, chunks: int, seconds: float) -> None:
+        """One measured call of `chunks` in `bucket` (the warm-up calls are dropped)."""
+        if self.skipped.get(bucket, 0) < self.config.warmup:
+            self.skipped[bucket] = self.skipped.get(bucket, 0) + 1
+            return
         if chunks in self._bucket(bucket):
             self._bucket(bucket)[chunks].append(float(seconds))
 
