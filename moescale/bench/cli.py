@@ -18,6 +18,10 @@ BENCHMARKS = {
     "offload-disk": ("moescale.bench.offload_disk",
                      "disk tier beyond RAM: >= 8 GB expert state, peak RSS, bytes moved"),
     "plan-check": ("moescale.bench.plan_check", "planner step-time predictions vs measured"),
+    "ep-memory": ("moescale.bench.ep_memory",
+                  "pipelined all-to-all: saved + buffer bytes per strategy and chunk count"),
+    "ep-speed": ("moescale.bench.ep_speed",
+                 "pipelined all-to-all: step time per chunk count, tuner pick, overlap"),
 }
 
 
