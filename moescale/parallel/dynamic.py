@@ -92,6 +92,21 @@ def placement_stats(model: torch.nn.Module) -> dict[str, float]:
             "placement_split_experts": float(sum(s.num_split for s in stats))}
 
 
+def static_load_stats(counts_LE: list[list[int]], num_devices: int) -> dict[str, float]:
+    """The same numbers for static placement (expert e on device e // (E / W), expert
+    parallelism's split) from per-layer routed rows: the sums over layers of the busiest
+    device's rows and of the mean rows per device, and their ratio (1.0: balanced)."""
+    max_sum = mean_sum = 0.0
+    for counts_E in counts_LE:
+        per = len(counts_E) // num_devices
+        assert per * num_devices == len(counts_E), (len(counts_E), num_devices)
+        loads = [sum(counts_E[d * per:(d + 1) * per]) for d in range(num_devices)]
+        max_sum += max(loads)
+        mean_sum += sum(loads) / num_devices
+    return {"max": max_sum, "mean": mean_sum,
+            "max_over_mean": max_sum / mean_sum if mean_sum > 0 else 1.0}
+
+
 @dataclass
 class PlacementStats:
     """The modelled loads of the last call (plain numbers, for logging)."""

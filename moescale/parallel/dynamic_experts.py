@@ -55,20 +55,29 @@ def grouped_layout(experts: GroupedExperts) -> ExpertLayout:
                          if getattr(experts, n) is not None])
 
 
+def grouped_experts_of(moe: MoE, who: str) -> GroupedExperts:
+    """The layer's GroupedExperts, or a ValueError naming `who` needs them."""
+    if not isinstance(moe.experts, GroupedExperts):
+        raise ValueError(f"{who} needs GroupedExperts; this layer has "
+                         f"{type(moe.experts).__name__}")
+    return moe.experts
+
+
+def expert_master(experts: GroupedExperts, e: int) -> torch.Tensor:
+    """Expert e's tensors flattened in the store's order (fp32 [P], a copy)."""
+    return torch.cat([getattr(experts, n).detach()[e].reshape(-1).float() for n in PARAM_NAMES
+                      if getattr(experts, n) is not None])
+
+
 def shared_expert_store(moes: Sequence[MoE]) -> ExpertStore:
     """A host store in shared memory holding the experts of `moes` (layer i = moes[i]),
     initialised from their GroupedExperts. Hand `store.shared_state()` and `store.layouts`
     to the local ranks, which call `ExpertStore.attach`."""
     store = ExpertStore(StoreConfig(tier="host", shared_memory=True))
     for moe in moes:
-        experts = moe.experts
-        if not isinstance(experts, GroupedExperts):
-            raise ValueError(f"shared_expert_store needs GroupedExperts; this layer has "
-                             f"{type(experts).__name__}")
-        params = [getattr(experts, n) for n in PARAM_NAMES if getattr(experts, n) is not None]
+        experts = grouped_experts_of(moe, "shared_expert_store")
         store.add_layer(grouped_layout(experts), experts.num_experts,
-                        lambda e, params=params: torch.cat(
-                            [p.detach()[e].reshape(-1).float() for p in params]))
+                        lambda e, experts=experts: expert_master(experts, e))
     return store
 
 
@@ -140,6 +149,10 @@ class SharedStoreExperts(nn.Module):
             off += size
         return FFNWeights(*(parts.get(n) for n in PARAM_NAMES))
 
+    def records(self) -> torch.Tensor:
+        """The layer's store records [E, 4, P] (masters, gradients, AdamW moments; a view)."""
+        return self._data_E4P
+
     def grad_rows(self) -> torch.Tensor:
         """The store's gradient accumulators [E, P] (a view)."""
         return self._data_E4P[:, 1]
@@ -187,10 +200,7 @@ def dynamic_placement_moe(full: MoE, store: ExpertStore, layer_index: int, group
                           config: PlacementConfig | None = None, **dispatcher_options) -> MoE:
     """A copy of `full` (same router weights) whose experts are layer `layer_index` of the
     shared `store`, dispatched by a DynamicPlacementDispatcher over `group`."""
-    experts = full.experts
-    if not isinstance(experts, GroupedExperts):
-        raise ValueError(f"dynamic placement supports GroupedExperts; this layer has "
-                         f"{type(experts).__name__}")
+    experts = grouped_experts_of(full, "dynamic placement")
     config = config or PlacementConfig(num_devices=dist.get_world_size(group))
     dispatcher = DynamicPlacementDispatcher(group, full.num_experts, config,
                                             **dispatcher_options)
@@ -204,6 +214,14 @@ def dynamic_placement_moe(full: MoE, store: ExpertStore, layer_index: int, group
     return moe
 
 
+def owned_experts(layer: SharedStoreExperts, rank: int, size: int) -> list[int]:
+    """The experts `rank` steps after the last pass: those it owned (the device of their
+    first rows), and e % size for experts that had no rows."""
+    owners = layer.owners_E or [-1] * layer.num_experts
+    return [e for e in range(layer.num_experts)
+            if (owners[e] if owners[e] >= 0 else e % size) == rank]
+
+
 def step_shared_experts(layers: Sequence[SharedStoreExperts], group, *, lr: float,
                         betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                         grad_coef: float | None = None) -> int:
@@ -215,9 +233,7 @@ def step_shared_experts(layers: Sequence[SharedStoreExperts], group, *, lr: floa
         dist.barrier(group=group)
     stepped = 0
     for layer in layers:
-        owners = layer.owners_E or [-1] * layer.num_experts
-        mine = [e for e in range(layer.num_experts)
-                if (owners[e] if owners[e] >= 0 else e % size) == rank]
+        mine = owned_experts(layer, rank, size)
         if not mine:
             continue
         recs = [layer.store.acquire((layer.layer_index, e)) for e in mine]

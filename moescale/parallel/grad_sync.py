@@ -88,18 +88,21 @@ def global_mean_weight(num_local_tokens: int, groups: ParallelGroups,
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups,
-                    norm_type: float = 2.0) -> torch.Tensor:
+                    norm_type: float = 2.0, extra_grads=()) -> torch.Tensor:
     """Clip all grads by the global norm (after `allreduce_gradients`); returns the norm.
 
     Replicated grads are identical on every rank and counted once; the EP group's expert
-    shards are disjoint, so their part is summed over the EP group.
+    shards are disjoint, so their part is summed over the EP group. `extra_grads`: gradients
+    outside the model's parameters, disjoint over the EP group like expert shards (dynamic
+    placement: the shared store's accumulators of the experts this rank steps); counted and
+    scaled (in place) with the expert part.
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r} must be > 0")
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type={norm_type!r} is not supported; use 2.0 or math.inf")
     rep = [p.grad for p in replicated_parameters(model) if p.grad is not None]
-    exp = [p.grad for p in expert_parameters(model) if p.grad is not None]
+    exp = [p.grad for p in expert_parameters(model) if p.grad is not None] + list(extra_grads)
     device = next(model.parameters()).device
     inf = norm_type == math.inf
 

@@ -1,0 +1,117 @@
+"""A node's shared expert store in one memory-mapped file: made by local rank 0, mapped by all.
+
+Under torchrun no parent process exists to build a shared `ExpertStore` and hand its tensors to
+the ranks (what `shared_expert_store` + `run_local` do in tests), so `node_expert_store(moes,
+group)` does it collectively, with a file in /dev/shm (tmpfs, i.e. RAM):
+
+  1. rank 0 of the group checks the free space, creates `moescale-store-<pid>-<random>.bin`
+     exclusively (O_EXCL), sized for every layer's [E, 4, P] records and [E] step counts,
+     maps it (`torch.from_file(shared=True)`: MAP_SHARED) and writes the fp32 masters of its
+     model's GroupedExperts (gradients, moments and steps start at zero);
+  2. it broadcasts the file name (or its error, so no rank waits for a file that never came);
+  3. the other ranks map the same file; a barrier;
+  4. rank 0 unlinks the name. The mappings outlive it, so the memory goes back to the system
+     when the last rank exits, however it exits, and nothing is left in /dev/shm. On an error
+     between 1 and 4, rank 0 still removes the file.
+
+File layout, all float32: layer 0's data_E4P, layer 0's steps_E, layer 1's data_E4P, ...
+Every rank must start from identical experts (same seed); only rank 0's are read. The group's
+ranks must share one machine (the mapping is local): `moescale train` checks LOCAL_WORLD_SIZE.
+
+Not here: the store's semantics (offload/store.py), the experts computed on it
+(dynamic_experts.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from moescale.layers.moe import MoE
+from moescale.offload.store import MASTER, ExpertLayout, ExpertStore, StoreConfig
+from moescale.parallel.all_to_all import collective_errors
+from moescale.parallel.dynamic_experts import expert_master, grouped_experts_of, grouped_layout
+
+DEFAULT_DIRECTORY = "/dev/shm"
+
+
+def _views(flat: torch.Tensor, layouts: Sequence[ExpertLayout],
+           num_experts: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(data_E4P, steps_E) per layer: views of the flat mapping."""
+    out, off = [], 0
+    for layout, E in zip(layouts, num_experts):
+        n = E * 4 * layout.numel
+        out.append((flat[off:off + n].view(E, 4, layout.numel), flat[off + n:off + n + E]))
+        off += n + E
+    assert off == flat.numel(), (off, flat.numel())
+    return out
+
+
+def _create(path: str, numel: int, directory: str) -> torch.Tensor:
+    need = 4 * numel
+    if not os.path.isdir(directory):
+        raise ValueError(f"the shared expert store goes to {directory!r}, which is not a "
+                         "directory; dynamic placement needs a tmpfs such as /dev/shm")
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"the shared expert store needs {need} bytes "
+                      f"({need / 2**20:.1f} MiB) in {directory!r} but {free} bytes are free; "
+                      "give the machine (container) more shared memory, e.g. docker "
+                      "--shm-size, or train a smaller model")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, need)
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+
+
+def node_expert_store(moes: Sequence[MoE], group=None,
+                      directory: str = DEFAULT_DIRECTORY) -> ExpertStore:
+    """Collective over `group` (the ranks of one node): one host copy of the experts of `moes`
+    (layer i = moes[i]) mapped by every rank, as an ExpertStore (see the module docstring)."""
+    experts = [grouped_experts_of(m, "a shared expert store") for m in moes]
+    layouts = [grouped_layout(x) for x in experts]
+    num_experts = [x.num_experts for x in experts]
+    numel = sum(E * (4 * lay.numel + 1) for lay, E in zip(layouts, num_experts))
+    rank = dist.get_rank(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    path, flat, message = None, None, None
+    try:
+        if rank == 0:
+            path = os.path.join(directory, f"moescale-store-{os.getpid()}-"
+                                f"{secrets.token_hex(6)}.bin")
+            try:
+                flat = _create(path, numel, directory)
+                for x, (data_E4P, _) in zip(experts, _views(flat, layouts, num_experts)):
+                    for e in range(x.num_experts):
+                        data_E4P[e, MASTER].copy_(expert_master(x, e))
+                message = ("ok", path)
+            except (OSError, ValueError) as err:
+                message = ("error", f"rank {src} could not create the shared expert store: "
+                           f"{err}")
+                box = [message]
+                with collective_errors("shared-store name broadcast", group):
+                    dist.broadcast_object_list(box, src=src, group=group)
+                raise
+        box = [message]
+        with collective_errors("shared-store name broadcast", group):
+            dist.broadcast_object_list(box, src=src, group=group)
+        status, text = box[0]
+        if status != "ok":
+            raise ValueError(text)
+        if rank != 0:
+            flat = torch.from_file(text, shared=True, size=numel, dtype=torch.float32)
+        with collective_errors("shared-store mapping barrier", group):
+            dist.barrier(group=group)
+    finally:
+        if path is not None and os.path.exists(path):
+            os.remove(path)
+    return ExpertStore.attach(StoreConfig(tier="host", shared_memory=True), layouts,
+                              _views(flat, layouts, num_experts))
