@@ -203,6 +203,78 @@ class _Dispatcher:
                                 lay.recv_splits, self.spec.groups.ep_group, what, out=out)
 
 
+def forward_chunks(spec: PipelineSpec, disp: _Dispatcher, y_RD: torch.Tensor,
+                   compute) -> None:
+    """The forward skeleton shared by the grouped and the module pipelines: chunk k+1's
+    dispatch is in flight while chunk k computes, and chunk k's result travels back on the
+    combine group while chunk k+1 computes. `compute(k, layout, x_loc)` returns the chunk's
+    expert outputs (expert-major rows); the results land in y_RD (plan row order)."""
+    lays = spec.layouts
+    pending, back = disp.start(0, "pipelined dispatch"), None
+    for k, lay in enumerate(lays):
+        x_recv = pending.wait()
+        if k + 1 < len(lays):
+            pending = disp.start(k + 1, "pipelined dispatch")
+        spec.note("experts forward", k)
+        y_loc = compute(k, lay, _reorder(x_recv, lay.perm))
+        del x_recv
+        spec.note("pipelined combine", k)
+        ret = start_all_to_all(_reorder(y_loc.to(y_RD.dtype), lay.inv_perm), lay.recv_splits,
+                               lay.send_splits, spec.groups.ep_combine_group,
+                               "pipelined combine")
+        del y_loc
+        if back is not None:
+            y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
+        back = (k, ret)
+    y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
+
+
+def backward_chunks(spec: PipelineSpec, gy_RD: torch.Tensor, x_TD: torch.Tensor | None,
+                    compute, need_dx: bool, num_tokens: int) -> torch.Tensor | None:
+    """The backward skeleton shared by both pipelines: chunk k+1's output gradients travel
+    (combine group) while chunk k's expert backward runs, and chunk k's input gradients return
+    on the dispatch group. With `x_TD` (the re-communicating strategies) chunk k+1's input is
+    re-dispatched alongside. `compute(k, layout, g_loc, x_loc or None)` runs the chunk's expert
+    backward (accumulating weight gradients itself) and returns its input gradients (expert-
+    major rows) or None; returns dx_TD (None when not needed)."""
+    lays, groups = spec.layouts, spec.groups
+
+    def send_grad(k):
+        spec.note("output grads", k)
+        return start_all_to_all(gy_RD.index_select(0, lays[k].row_idx), lays[k].send_splits,
+                                lays[k].recv_splits, groups.ep_combine_group,
+                                "pipelined backward (output grads)")
+
+    disp = _Dispatcher(x_TD, spec, reuse=True) if x_TD is not None else None
+    pend_g = send_grad(0)
+    pend_x = disp.start(0, "pipelined backward (re-dispatch)") if disp else None
+    dx_TD, back = None, None
+    for k, lay in enumerate(lays):
+        g_loc = _reorder(pend_g.wait(), lay.perm)
+        if k + 1 < len(lays):
+            pend_g = send_grad(k + 1)
+        x_loc = None
+        if disp is not None:
+            x_loc = _reorder(pend_x.wait(), lay.perm)
+            if k + 1 < len(lays):
+                pend_x = disp.start(k + 1, "pipelined backward (re-dispatch)")
+        spec.note("experts backward", k)
+        dx_loc = compute(k, lay, g_loc, x_loc)
+        del g_loc, x_loc
+        if need_dx:
+            spec.note("input grads", k)
+            ret = start_all_to_all(_reorder(dx_loc.to(gy_RD.dtype), lay.inv_perm),
+                                   lay.recv_splits, lay.send_splits, groups.ep_group,
+                                   "pipelined backward (input grads)")
+            del dx_loc
+            if back is not None:
+                dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), num_tokens)
+            back = (k, ret)
+    if back is not None:
+        dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), num_tokens)
+    return dx_TD
+
+
 class PipelinedAllToAll(torch.autograd.Function):
     """y_RD (plan row order) = experts(x_TD[token of each row]) on the rows' owner ranks."""
 
@@ -210,36 +282,25 @@ class PipelinedAllToAll(torch.autograd.Function):
     def forward(ctx, x_TD, spec: PipelineSpec, act, w1, w2, w3, b1, b2):
         w = FFNWeights(w1, w2, w3, b1, b2)
         di_mode, h_mode = STRATEGIES[spec.strategy]
-        lays, num_chunks = spec.layouts, len(spec.layouts)
-        combine_group = spec.groups.ep_combine_group
+        kept_x, kept_h = [], []
+
+        def compute(k, lay, x_loc):
+            y_loc, h1, h3 = ffn_forward(x_loc, lay.local_counts, w, act)
+            if di_mode == "keep":
+                kept_x.append(x_loc)
+            elif di_mode == "offload":
+                kept_x.append(_offload(x_loc))
+            if h_mode == "keep":
+                kept_h.append((h1, h3))
+            elif h_mode == "offload":
+                kept_h.append((_offload(h1), _offload(h3)))
+            return y_loc
+
         with torch.autocast(x_TD.device.type, enabled=False):
             disp = _Dispatcher(x_TD, spec, reuse=spec.strategy != "none")
             y_RD = x_TD.new_empty(spec.num_rows, w2.shape[2])
-            kept_x, kept_h, host_bytes = [], [], 0
-            pending, back = disp.start(0, "pipelined dispatch"), None
-            for k, lay in enumerate(lays):
-                x_recv = pending.wait()
-                if k + 1 < num_chunks:
-                    pending = disp.start(k + 1, "pipelined dispatch")
-                x_loc = _reorder(x_recv, lay.perm)
-                spec.note("experts forward", k)
-                y_loc, h1, h3 = ffn_forward(x_loc, lay.local_counts, w, act)
-                spec.note("pipelined combine", k)
-                ret = start_all_to_all(_reorder(y_loc, lay.inv_perm), lay.recv_splits,
-                                       lay.send_splits, combine_group, "pipelined combine")
-                if back is not None:
-                    y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
-                back = (k, ret)
-                if di_mode == "keep":
-                    kept_x.append(x_loc)
-                elif di_mode == "offload":
-                    kept_x.append(_offload(x_loc))
-                if h_mode == "keep":
-                    kept_h.append((h1, h3))
-                elif h_mode == "offload":
-                    kept_h.append((_offload(h1), _offload(h3)))
-                del x_recv, x_loc, y_loc, h1, h3
-            y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
+            forward_chunks(spec, disp, y_RD, compute)
+        host_bytes = 0
         for x_off in kept_x if di_mode == "offload" else ():
             host_bytes += x_off.numel() * x_off.element_size()
         for pair in kept_h if h_mode == "offload" else ():
@@ -265,63 +326,35 @@ class PipelinedAllToAll(torch.autograd.Function):
         device_x, device_h = rest[:ctx.num_device_x], rest[ctx.num_device_x:]
         need_dx, w_needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         need_dw = any(w_needs)
-        lays, num_chunks = spec.layouts, len(spec.layouts)
-        groups = spec.groups
         gy_RD = gy_RD.contiguous()
         device = gy_RD.device
         start = _mark(gy_RD)
-        with torch.autocast(device.type, enabled=False):
-            def send_grad(k):
-                spec.note("output grads", k)
-                lay = lays[k]
-                return start_all_to_all(gy_RD.index_select(0, lay.row_idx), lay.send_splits,
-                                        lay.recv_splits, groups.ep_combine_group,
-                                        "pipelined backward (output grads)")
+        grads = None
 
-            disp = _Dispatcher(x_TD, spec, reuse=True) if di_mode == "recomm" else None
-            pend_g = send_grad(0)
-            pend_x = disp.start(0, "pipelined backward (re-dispatch)") if disp else None
-            dx_TD, grads, back = None, None, None
-            for k, lay in enumerate(lays):
-                g_loc = _reorder(pend_g.wait(), lay.perm)
-                if k + 1 < num_chunks:
-                    pend_g = send_grad(k + 1)
-                if di_mode == "keep":
-                    x_loc = device_x[k]
-                elif di_mode == "offload":
-                    x_loc = _reload(ctx.host_x[k], device)
-                else:
-                    x_loc = _reorder(pend_x.wait(), lay.perm)
-                    if k + 1 < num_chunks:
-                        pend_x = disp.start(k + 1, "pipelined backward (re-dispatch)")
-                if h_mode == "keep":
-                    h_per = 2 if w3 is not None else 1
-                    h1, h3 = device_h[k * h_per], device_h[k * h_per + 1] if h_per == 2 \
-                        else None
-                elif h_mode == "offload":
-                    h1, h3 = (_reload(t, device) for t in ctx.host_h[k])
-                else:
-                    h1, h3 = _hidden(x_loc, lay.local_counts, w)
-                spec.note("experts backward", k)
-                dx_loc, gw, _ = ffn_backward(g_loc, x_loc, h1, h3, lay.local_counts, w, act,
-                                             need_dx=need_dx, need_dw=need_dw)
-                del g_loc, x_loc, h1, h3
-                if need_dw:
-                    parts = (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
-                    grads = list(parts) if grads is None else \
-                        [None if a is None else a.add_(b) for a, b in zip(grads, parts)]
-                if need_dx:
-                    spec.note("input grads", k)
-                    ret = start_all_to_all(_reorder(dx_loc, lay.inv_perm), lay.recv_splits,
-                                           lay.send_splits, groups.ep_group,
-                                           "pipelined backward (input grads)")
-                    if back is not None:
-                        dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(),
-                                          ctx.num_tokens)
-                    back = (k, ret)
-            if back is not None:
-                dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(),
-                                  ctx.num_tokens)
+        def compute(k, lay, g_loc, x_loc):
+            nonlocal grads
+            if di_mode == "keep":
+                x_loc = device_x[k]
+            elif di_mode == "offload":
+                x_loc = _reload(ctx.host_x[k], device)
+            if h_mode == "keep":
+                h_per = 2 if w3 is not None else 1
+                h1, h3 = device_h[k * h_per], device_h[k * h_per + 1] if h_per == 2 else None
+            elif h_mode == "offload":
+                h1, h3 = (_reload(t, device) for t in ctx.host_h[k])
+            else:
+                h1, h3 = _hidden(x_loc, lay.local_counts, w)
+            dx_loc, gw, _ = ffn_backward(g_loc, x_loc, h1, h3, lay.local_counts, w, act,
+                                         need_dx=need_dx, need_dw=need_dw)
+            if need_dw:
+                parts = (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
+                grads = list(parts) if grads is None else \
+                    [None if a is None else a.add_(b) for a, b in zip(grads, parts)]
+            return dx_loc
+
+        with torch.autocast(device.type, enabled=False):
+            dx_TD = backward_chunks(spec, gy_RD, x_TD if di_mode == "recomm" else None,
+                                    compute, need_dx, ctx.num_tokens)
         spec.stats["backward_marks"] = (start, _mark(gy_RD))
         out_w = [None] * 5
         if need_dw:

@@ -1,7 +1,8 @@
 """The pipelined exchange for any expert modules (FastMoE's "any module is an expert").
 
 `PipelinedModuleAllToAll` has the same chunking, overlap and process groups as
-`PipelinedAllToAll` (moescale.parallel.pipeline) but runs `experts.forward_rows` (any
+`PipelinedAllToAll` (moescale.parallel.pipeline: both drive their chunks with its
+`forward_chunks` / `backward_chunks`) but runs `experts.forward_rows` (any
 `ModuleExperts`) instead of the grouped FFN kernels. The hidden activations of arbitrary modules
 are not visible, so backward works like activation checkpointing per chunk:
 
@@ -23,10 +24,9 @@ import contextlib
 
 import torch
 
-from moescale.parallel.all_to_all import start_all_to_all
 from moescale.parallel.cost_model import STRATEGIES
-from moescale.parallel.pipeline import (PipelineSpec, _add_rows, _Dispatcher, _offload,
-                                        _reload, _reorder)
+from moescale.parallel.pipeline import (PipelineSpec, _Dispatcher, _offload, _reload,
+                                        backward_chunks, forward_chunks)
 
 MODULE_STRATEGIES = ("none", "S2", "S4")
 
@@ -55,37 +55,25 @@ class PipelinedModuleAllToAll(torch.autograd.Function):
                              "only grouped experts expose; use one of "
                              f"{', '.join(MODULE_STRATEGIES)} for module experts")
         di_mode = STRATEGIES[spec.strategy][0]
-        lays, num_chunks = spec.layouts, len(spec.layouts)
         dev = x_TD.device.type
         state = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         need_dx = ctx.needs_input_grad[0]
-        disp = _Dispatcher(x_TD, spec, reuse=spec.strategy != "none")
-        y_RD = x_TD.new_empty(spec.num_rows, x_TD.shape[1])
-        kept, pending, back = [], disp.start(0, "pipelined dispatch"), None
-        for k, lay in enumerate(lays):
-            x_recv = pending.wait()
-            if k + 1 < num_chunks:
-                pending = disp.start(k + 1, "pipelined dispatch")
-            x_loc = _reorder(x_recv, lay.perm)
-            spec.note("experts forward", k)
+        kept = []
+
+        def compute(k, lay, x_loc):
             if di_mode == "keep":
                 x_leaf, y_loc = _run(experts, x_loc, lay.local_counts, state, need_dx)
                 kept.append((x_leaf, y_loc))
-                y_loc = y_loc.detach()
-            else:
-                with torch.no_grad(), _autocast(state):
-                    y_loc = experts.forward_rows(x_loc, lay.local_counts)
-                if di_mode == "offload":
-                    kept.append(_offload(x_loc))
-            spec.note("pipelined combine", k)
-            ret = start_all_to_all(_reorder(y_loc.to(y_RD.dtype), lay.inv_perm),
-                                   lay.recv_splits, lay.send_splits,
-                                   spec.groups.ep_combine_group, "pipelined combine")
-            if back is not None:
-                y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
-            back = (k, ret)
-            del x_recv, x_loc, y_loc
-        y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
+                return y_loc.detach()
+            with torch.no_grad(), _autocast(state):
+                y_loc = experts.forward_rows(x_loc, lay.local_counts)
+            if di_mode == "offload":
+                kept.append(_offload(x_loc))
+            return y_loc
+
+        disp = _Dispatcher(x_TD, spec, reuse=spec.strategy != "none")
+        y_RD = x_TD.new_empty(spec.num_rows, x_TD.shape[1])
+        forward_chunks(spec, disp, y_RD, compute)
         ctx.spec, ctx.experts, ctx.state, ctx.kept = spec, experts, state, kept
         ctx.num_tokens = x_TD.shape[0]
         ctx.save_for_backward(x_TD if di_mode == "recomm" else None, *params)
@@ -98,35 +86,17 @@ class PipelinedModuleAllToAll(torch.autograd.Function):
         di_mode = STRATEGIES[spec.strategy][0]
         need_dx, p_needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         wanted = [p for p, need in zip(params, p_needs) if need]
-        lays, num_chunks = spec.layouts, len(spec.layouts)
-        groups = spec.groups
         gy_RD = gy_RD.contiguous()
+        grads = [None] * len(wanted)
 
-        def send_grad(k):
-            spec.note("output grads", k)
-            return start_all_to_all(gy_RD.index_select(0, lays[k].row_idx), lays[k].send_splits,
-                                    lays[k].recv_splits, groups.ep_combine_group,
-                                    "pipelined backward (output grads)")
-
-        disp = _Dispatcher(x_TD, spec, reuse=True) if di_mode == "recomm" else None
-        pend_g = send_grad(0)
-        pend_x = disp.start(0, "pipelined backward (re-dispatch)") if disp else None
-        dx_TD, grads, back = None, [None] * len(wanted), None
-        for k, lay in enumerate(lays):
-            g_loc = _reorder(pend_g.wait(), lay.perm)
-            if k + 1 < num_chunks:
-                pend_g = send_grad(k + 1)
+        def compute(k, lay, g_loc, x_loc):
+            nonlocal grads
             if di_mode == "keep":
                 x_leaf, y_loc = ctx.kept[k]
             else:
                 if di_mode == "offload":
                     x_loc = _reload(ctx.kept[k], gy_RD.device)
-                else:
-                    x_loc = _reorder(pend_x.wait(), lay.perm)
-                    if k + 1 < num_chunks:
-                        pend_x = disp.start(k + 1, "pipelined backward (re-dispatch)")
                 x_leaf, y_loc = _run(experts, x_loc, lay.local_counts, ctx.state, need_dx)
-            spec.note("experts backward", k)
             inputs = ([x_leaf] if need_dx else []) + wanted
             if y_loc.requires_grad and inputs:
                 got = torch.autograd.grad(y_loc, inputs, g_loc.to(y_loc.dtype),
@@ -139,18 +109,10 @@ class PipelinedModuleAllToAll(torch.autograd.Function):
                 got = got[1:]
             grads = [g if acc is None else (acc if g is None else acc.add_(g))
                      for acc, g in zip(grads, got)]
-            del x_leaf, y_loc, g_loc
-            if need_dx:
-                spec.note("input grads", k)
-                ret = start_all_to_all(_reorder(dx_loc.to(gy_RD.dtype), lay.inv_perm),
-                                       lay.recv_splits, lay.send_splits, groups.ep_group,
-                                       "pipelined backward (input grads)")
-                if back is not None:
-                    dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(),
-                                      ctx.num_tokens)
-                back = (k, ret)
-        if back is not None:
-            dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), ctx.num_tokens)
+            return dx_loc
+
+        dx_TD = backward_chunks(spec, gy_RD, x_TD if di_mode == "recomm" else None, compute,
+                                need_dx, ctx.num_tokens)
         ctx.kept = None
         it = iter(grads)
         out = []
