@@ -25,10 +25,15 @@ The Trainer (trainer.py) owns the loop; a backend owns what differs between thes
   balance loss is computed per EP group's tokens, as in ordinary data parallelism, so such a
   run is not identical to one process (ep_size = world size is).
 
-`train_distributed(config, world_size)` is the Python-API twin of
-`torchrun --nproc-per-node N -m moescale train ...` (real processes via `run_local`).
+  Its step_metrics log static placement's modelled per-rank load (max/mean rows) per step.
+- `DynamicPlacementBackend` (`parallel.placement dynamic`, dynamic_backend.py): one host copy of
+  the experts shared by the local ranks, LPT placement (+ splitting) every iteration.
 
-Deliberately not here: offloading combined with expert parallelism and dynamic placement
+`train_distributed(config, world_size)` is the Python-API twin of
+`torchrun --nproc-per-node N -m moescale train ...` (real processes via `run_local`; gloo for
+dynamic placement).
+
+Deliberately not here: offloading combined with expert parallelism or dynamic placement
 (refused by `RunConfig.check_supported`), the loop itself, checkpoint file formats.
 
 Legend: B batch rows, S sequence, W world size.
@@ -83,6 +88,11 @@ class LocalBackend:
     def step_experts(self) -> None:
         """Called just before the dense optimizer steps."""
 
+    def step_metrics(self, model, counts_LE: list[list[int]]) -> dict:
+        """Extra numbers for the step's metrics record (counts_LE: the step's routed tokens
+        per expert of every MoE layer, over all ranks)."""
+        return {}
+
     # reductions over ranks (identity here)
     def mean(self, values: list[float]) -> list[float]:
         return values
@@ -111,6 +121,14 @@ class LocalBackend:
 
     def local_optimizer_tensors(self, optimizer, tensors: dict[str, torch.Tensor]):
         return tensors
+
+    def optimizer_groups(self, rest: dict) -> dict:
+        """The optimizer's param groups and scalars (optimizer_to_flat's rest) as saved."""
+        return rest
+
+    def local_optimizer_groups(self, rest: dict) -> dict:
+        """The inverse of optimizer_groups, for this process's optimizer."""
+        return rest
 
     def save_extra(self, ckpt_dir: Path, step: int) -> dict:
         return {}
@@ -416,6 +434,15 @@ class ExpertParallelBackend(LocalBackend):
             out[name] = value
         return out
 
+    def step_metrics(self, model, counts_LE) -> dict:
+        """Static placement's modelled per-rank load (rows) from the routed counts."""
+        from moescale.parallel.dynamic import static_load_stats
+
+        if not counts_LE:
+            return {}
+        stats = static_load_stats(counts_LE, self.groups.ep_size)
+        return {f"device_load_{k}": v for k, v in stats.items()}
+
     def plan(self, device) -> tuple[str, str]:
         g, pc = self.groups, self.pconfig
         return "device-only", (f"device-only, experts split over {g.ep_size} expert-parallel "
@@ -431,6 +458,9 @@ def make_backend(config: RunConfig, run_dir: Path) -> LocalBackend:
                           and dist.get_world_size() > 1)
     except ImportError:  # pragma: no cover
         pass
+    if config.parallel.placement == "dynamic":
+        from moescale.train.dynamic_backend import DynamicPlacementBackend
+        return DynamicPlacementBackend(config)
     if config.parallel.ep_size > 1 or multi:
         if config.offload.mode != "device-only":
             raise ValueError(f"offload.mode={config.offload.mode!r} in a multi-process run is "
@@ -462,7 +492,8 @@ def train_distributed(config: RunConfig, run_dir: str | Path, world_size: int, *
     from moescale.parallel.launch import run_local
     from moescale.train.config import to_dict
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if torch.cuda.is_available() and config.parallel.placement == "static" \
+        else "gloo"      # dynamic placement computes on the host copy
     results = run_local(_rank_main, world_size, (to_dict(config), str(run_dir), quiet, resume),
                         backend=backend, timeout_s=config.parallel.timeout_s,
                         deadline_s=deadline_s)

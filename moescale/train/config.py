@@ -7,10 +7,12 @@ overrides)` reads `--config FILE.toml`, applies `--section.field value` override
 text by the field's annotated type, and re-validates. `help_text()` lists every option with its
 type and default; `to_toml()` writes the resolved tree (None values are omitted: TOML has no null).
 
-Offloading (`[offload]`: mode, budgets, step mode, activation policy) and expert parallelism
-(`[parallel]`: ep_size, chunks, reuse) are wired into the trainer (moescale/train/backends.py);
+Offloading (`[offload]`: mode, budgets, step mode, activation policy), expert parallelism
+(`[parallel]`: ep_size, chunks, reuse) and dynamic placement (`parallel.placement`, `split`) are
+wired into the trainer (moescale/train/backends.py);
 `check_supported()` refuses the combinations it cannot run (offloading together with expert
-parallelism, dynamic placement), with a clear message, instead of silently ignoring them.
+parallelism; dynamic placement with offloading, ep_size, bf16, CUDA), with a clear message,
+instead of silently ignoring them.
 
 This file builds no model and touches no tensors.
 """
@@ -243,7 +245,9 @@ class ParallelSection:
     ep_size: int = 1            # ranks the experts of each layer are split over
     chunks: str = "1"           # pipelined all-to-all chunks: a count, or auto (online tuner)
     reuse: str = "none"         # pipelined memory reuse: none | S1..S4 | auto (cost model)
-    placement: str = "static"   # static (expert e on rank e // (E / ep_size)) | dynamic
+    placement: str = "static"   # static (expert e on rank e // (E / ep_size)) | dynamic (all
+                                # local ranks share one host copy; LPT placement per iteration)
+    split: bool = True          # dynamic: shard the rows of experts heavier than a device's share
     timeout_s: float = 300.0    # a collective waiting longer fails instead of hanging
 
     def __post_init__(self) -> None:
@@ -279,10 +283,12 @@ class RunConfig:
                              f"{self.parallel.ep_size} is not supported: offloading and expert "
                              "parallelism are not combined in `moescale train` yet; use one "
                              "of them (offload.mode device-only, or parallel.ep_size 1)")
-        if self.parallel.placement != "static":
-            raise ValueError(f"parallel.placement={self.parallel.placement!r} is not supported "
-                             "yet: dynamic expert placement is not wired into `moescale "
-                             "train`; use parallel.placement static")
+        if self.parallel.placement == "dynamic":
+            self._check_dynamic()
+        elif not self.parallel.split:
+            raise ValueError("parallel.split=false applies to parallel.placement dynamic "
+                             "(hot-expert splitting); static placement never splits: drop it "
+                             "or set parallel.placement dynamic")
         single = self.parallel.ep_size == 1
         for option, value, plain in (("parallel.chunks", self.parallel.chunks, "1"),
                                      ("parallel.reuse", self.parallel.reuse, "none")):
@@ -297,6 +303,33 @@ class RunConfig:
         if self.offload.mode == "auto" and not self.offload.device_budget:
             raise ValueError("offload.mode='auto' needs offload.device_budget (e.g. '256MiB'): "
                              "the planner picks the fastest mode that fits it")
+
+
+    def _check_dynamic(self) -> None:
+        where = "parallel.placement='dynamic'"
+        if self.offload.mode != "device-only":
+            raise ValueError(f"{where} with offload.mode={self.offload.mode!r} is not "
+                             "supported: dynamic placement keeps the experts in its own host "
+                             "store shared by the local ranks; use offload.mode device-only")
+        if self.parallel.ep_size != 1:
+            raise ValueError(f"{where} with parallel.ep_size={self.parallel.ep_size} conflicts: "
+                             "dynamic placement spreads every expert over all local ranks each "
+                             "iteration (ep_size is static placement's split); leave "
+                             "parallel.ep_size at 1")
+        for option, value, plain in (("parallel.chunks", self.parallel.chunks, "1"),
+                                     ("parallel.reuse", self.parallel.reuse, "none")):
+            if value != plain:
+                raise ValueError(f"{where} with {option}={value!r} is not supported: the "
+                                 f"pipelined all-to-all is static placement's; use {option} "
+                                 f"{plain}")
+        if self.train.precision != "fp32":
+            raise ValueError(f"{where} with train.precision={self.train.precision!r} is not "
+                             "supported: the shared-store experts compute in fp32 on the host "
+                             "copy; use train.precision fp32")
+        if self.train.device.startswith("cuda"):
+            raise ValueError(f"{where} with train.device={self.train.device!r} is not "
+                             "supported: the experts compute on the shared host copy (CPU "
+                             "ranks, gloo); use train.device cpu (or auto)")
 
 
 CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTERS, "optim.schedule": SCHEDULES,

@@ -4,7 +4,11 @@ Records carry `kind` ("train", "val" or "summary") and `step` (optimizer steps c
 A train record holds loss (cross-entropy), aux_loss, lr, grad_norm, tokens, tokens_per_s,
 elapsed_s, imbalance (max over MoE layers of max/mean tokens per expert) and
 tokens_per_expert (a list per MoE layer of routed tokens per expert, summed over the step's
-micro-batches). A val record holds val_loss. Lines are flushed as they are written, so a killed
+micro-batches); with several devices also the modelled device load in rows, summed over the
+step's MoE calls: device_load_max, device_load_mean, device_load_max_over_mean (expert
+parallelism: static placement; dynamic placement: its placement, plus device_load_worst_layer,
+split_experts and static placement's static_load_max/mean/max_over_mean for comparison). A val
+record holds val_loss. Lines are flushed as they are written, so a killed
 run keeps everything logged so far; `truncate_after(step)` drops what a resumed run will redo.
 
 This file formats and stores numbers; it computes none of them.

@@ -19,13 +19,21 @@ from torch import nn
 from moescale.train.config import OptimSection
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
+def decay_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]],
+                                             list[tuple[str, nn.Parameter]]]:
+    """(name, parameter) pairs with weight decay (matrices) and without (vectors), in the
+    order the optimizer numbers them (a checkpoint's `optim.<index>.*`)."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+            (decay if p.dim() >= 2 else no_decay).append((name, p))
+    return decay, no_decay
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
+    decay, no_decay = decay_groups(model)
+    groups = [{"params": [p for _, p in decay], "weight_decay": cfg.weight_decay},
+              {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              foreach=True)
 

@@ -8,6 +8,10 @@ Each optimizer step runs `train.grad_accum` micro-batches (bf16 autocast when
 and steps AdamW. Every step writes one metrics.jsonl record with the routed tokens per expert of
 every MoE layer (from `layer.last_stats`); every `eval_interval` steps a validation loss on
 fixed windows. Checkpoints are written every `checkpoint_interval` steps and at the end.
+Backends may add numbers to each record (`step_metrics`): with several devices, the modelled
+max/mean device load (`device_load_max_over_mean`; dynamic placement also the static
+placement's `static_load_max_over_mean`), shown in the progress bar and averaged over the run
+in the summary.
 
 Resuming restores model, optimizer, step, the data generator and torch's RNG from the newest
 checkpoint that verifies, and drops metrics past it, so the continued run logs exactly the
@@ -104,6 +108,37 @@ def _imbalance(counts_LE: list[list[int]]) -> float:
     return worst
 
 
+LOAD_KEYS = ("device_load_max_over_mean", "static_load_max_over_mean")
+
+
+def _load_text(record: dict) -> str:
+    """The tqdm postfix part for a step's modelled device load (max/mean), if logged."""
+    if "device_load_max_over_mean" not in record:
+        return ""
+    static = record.get("static_load_max_over_mean")
+    return f" load {record['device_load_max_over_mean']:.2f}" + \
+        (f" (static {static:.2f})" if static is not None else "")
+
+
+def _mean_loads(train: list[dict]) -> dict:
+    """The run's mean of each logged max/mean device load (summary.json)."""
+    out = {}
+    for key in LOAD_KEYS:
+        values = [r[key] for r in train if key in r]
+        if values:
+            out[f"mean_{key}"] = sum(values) / len(values)
+    return out
+
+
+def _load_lines(s: dict) -> list[str]:
+    if "mean_device_load_max_over_mean" not in s:
+        return []
+    static = s.get("mean_static_load_max_over_mean")
+    return [f"device load:  max/mean {s['mean_device_load_max_over_mean']:.3f} "
+            f"(modelled rows, mean over the run's steps; {s['placement']} placement)"
+            + (f", static placement {static:.3f}" if static is not None else "")]
+
+
 def auto_threads(ranks: int = 1) -> tuple[int, str]:
     """Threads for `train.threads = 0`: the CPUs left free by the current load average.
 
@@ -198,8 +233,9 @@ class Trainer:
         model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         try:
             self.backend.load_model_state(self.model, model_sd)
-            optimizer_from_flat(self.optimizer, self.backend.local_optimizer_tensors(
-                self.optimizer, tensors), state["optimizer"])
+            optimizer_from_flat(self.optimizer,
+                                self.backend.local_optimizer_tensors(self.optimizer, tensors),
+                                self.backend.local_optimizer_groups(state["optimizer"]))
             self.backend.load_extra(self.ckpt_dir, state)
         except (RuntimeError, KeyError, ValueError) as err:
             raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
@@ -223,6 +259,7 @@ class Trainer:
         tensors = {f"model.{k}": v for k, v in self.backend.model_state(self.model).items()}
         opt_tensors, opt_rest = optimizer_to_flat(self.optimizer)
         tensors.update(self.backend.optimizer_tensors(self.optimizer, opt_tensors))
+        opt_rest = self.backend.optimizer_groups(opt_rest)
         tensors["rng.torch"] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
@@ -275,7 +312,8 @@ class Trainer:
         return {"kind": "train", "step": self.step, "loss": ce_sum / tc.grad_accum,
                 "aux_loss": aux_sum / tc.grad_accum, "lr": lr, "grad_norm": grad_norm,
                 "tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
-                "imbalance": _imbalance(counts), "tokens_per_expert": counts}
+                "imbalance": _imbalance(counts), "tokens_per_expert": counts,
+                **self.backend.step_metrics(self.model, counts)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -343,8 +381,8 @@ class Trainer:
                 self.stop_requested = self.backend.any(self.stop_requested)  # ranks agree
                 bar.update(1)
                 bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {rate:,.0f} "
-                                    f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}",
-                                    refresh=False)
+                                    f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}"
+                                    + _load_text(record), refresh=False)
                 if not math.isfinite(record["loss"]):
                     raise ValueError(f"the training loss became {record['loss']} at step "
                                      f"{self.step}; lower optim.lr or enable optim.grad_clip")
@@ -412,6 +450,7 @@ class Trainer:
             "device": str(self.device), "params_total": self.params.total,
             "params_active": self.params.active, "checkpoint": str(last_ckpt),
             "resumed_from": self.resumed_from,
+            "placement": self.config.parallel.placement, **_mean_loads(train),
         }
         report = write_report(self.run_dir)
         summary["report"] = str(report) if report else None
@@ -445,6 +484,7 @@ class Trainer:
             f"threads {self.config.train.threads} ({self.threads_note})",
             f"peak memory:  {tiers}",
             f"offload plan: {self.plan_text}",
+            *_load_lines(s),
             f"report:       {s['report']}",
         ]
         if s["sample"]:

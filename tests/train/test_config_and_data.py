@@ -47,7 +47,12 @@ def test_bad_values_name_the_option(overrides, words):
 def test_unsupported_combinations_are_refused_not_ignored():
     for overrides, words in (
             ({"offload.mode": "disk", "parallel.ep_size": "2"}, "not combined"),
-            ({"parallel.placement": "dynamic"}, "not supported yet"),
+            ({"parallel.placement": "dynamic", "offload.mode": "host"}, "offload.mode device-only"),
+            ({"parallel.placement": "dynamic", "parallel.ep_size": "2"}, "conflicts"),
+            ({"parallel.placement": "dynamic", "parallel.chunks": "2"}, "pipelined"),
+            ({"parallel.placement": "dynamic", "train.precision": "bf16"}, "fp32"),
+            ({"parallel.placement": "dynamic", "train.device": "cuda"}, "train.device cpu"),
+            ({"parallel.split": "false"}, "applies to parallel.placement dynamic"),
             ({"parallel.chunks": "4"}, "needs expert parallelism"),
             ({"parallel.reuse": "S1"}, "needs expert parallelism"),
             ({"offload.mode": "host", "offload.step_mode": "eager"}, "optim.grad_clip"),
@@ -59,7 +64,8 @@ def test_unsupported_combinations_are_refused_not_ignored():
     for ok in ({"offload.mode": "host"}, {"offload.mode": "disk"},
                {"offload.mode": "host", "offload.step_mode": "eager", "optim.grad_clip": "0"},
                {"parallel.ep_size": "2", "parallel.chunks": "auto", "parallel.reuse": "auto"},
-               {"offload.mode": "auto", "offload.device_budget": "1MiB"}):
+               {"offload.mode": "auto", "offload.device_budget": "1MiB"},
+               {"parallel.placement": "dynamic", "parallel.split": "false"}):
         load_config(None, ok).check_supported()
 
 
@@ -84,6 +90,7 @@ def test_help_lists_every_option_with_its_default():
     for option in ("--model.num_experts", "--model.top_k", "--model.router",
                    "--model.capacity_factor", "--offload.mode", "--offload.device_budget",
                    "--parallel.ep_size", "--parallel.chunks", "--parallel.reuse",
+                   "--parallel.placement", "--parallel.split",
                    "--offload.step_mode", "--offload.activation_policy", "--offload.host_cache",
                    "--offload.disk_dir", "--offload.device_budget_experts",
                    "--train.precision", "--train.batch_size", "--train.seq_len", "--train.steps",

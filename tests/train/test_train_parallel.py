@@ -72,7 +72,10 @@ def runs(tmp_path_factory):
 def test_two_rank_cli_run_equals_single_process(runs):
     corpus, single, ep, proc = runs
     _assert_same_run(_records(ep), _records(single))
+    for r in _records(ep):      # static placement's modelled per-rank load, every step
+        assert r["kind"] == "val" or r["device_load_max_over_mean"] >= 1.0
     assert proc.stdout.count("run dir:") == 1          # only rank 0 prints the summary
+    assert proc.stdout.count("device load:  max/mean") == 1
     summary = json.loads((ep / "summary.json").read_text())
     assert summary["world_size"] == 2 and "expert-parallel" not in summary["offload_plan"]
     assert "split over 2 expert-parallel ranks" in proc.stdout
@@ -100,24 +103,28 @@ def _resume_copy(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
+def continue_run(src: Path, dst: Path, overrides: dict[str, str], ranks: int) -> list[dict]:
+    """Resume a copy of run `src` from its mid-run checkpoint with `overrides` on `ranks`
+    processes (the Python API) to the end; the records it logged after the checkpoint."""
+    run_dir = _resume_copy(src, dst, STEPS // 2)
+    base = tomllib.loads((run_dir / "config.toml").read_text())
+    config = load_config(None, dict(overrides, **{"train.run_dir": str(run_dir)}), base=base)
+    if ranks > 1:
+        code, summary = train_distributed(config, run_dir, ranks, resume=True, quiet=True,
+                                          deadline_s=100)
+        assert code == 0 and summary["world_size"] == ranks and summary["step"] == STEPS
+    else:
+        trainer = Trainer(config, run_dir, resume=True, out=open(os.devnull, "w"))
+        assert trainer.step == STEPS // 2 and trainer.run() == 0
+    return _continued(run_dir)
+
+
 @pytest.mark.timeout(120)
 def test_resume_across_rank_counts(runs, tmp_path):
     corpus, single, ep, _ = runs
     want = _records(single)
-    # a single-process checkpoint continued on 2 ranks through the Python API
-    run_dir = _resume_copy(single, tmp_path / "to2", STEPS // 2)
-    base = tomllib.loads((run_dir / "config.toml").read_text())
-    config = load_config(None, {"parallel.ep_size": "2", "train.run_dir": str(run_dir)},
-                         base=base)
-    code, summary = train_distributed(config, run_dir, 2, resume=True, quiet=True,
-                                      deadline_s=100)
-    assert code == 0 and summary["world_size"] == 2 and summary["step"] == STEPS
-    _assert_same_run(_continued(run_dir), want, first_step=STEPS // 2)
-    # a 2-rank checkpoint continued on one process
-    run_dir = _resume_copy(ep, tmp_path / "to1", STEPS // 2)
-    base = tomllib.loads((run_dir / "config.toml").read_text())
-    config = load_config(None, {"parallel.ep_size": "1", "train.run_dir": str(run_dir)},
-                         base=base)
-    trainer = Trainer(config, run_dir, resume=True, out=open(os.devnull, "w"))
-    assert trainer.step == STEPS // 2 and trainer.run() == 0
-    _assert_same_run(_continued(run_dir), want, first_step=STEPS // 2)
+    # a single-process checkpoint continued on 2 ranks, and a 2-rank one on one process
+    got = continue_run(single, tmp_path / "to2", {"parallel.ep_size": "2"}, 2)
+    _assert_same_run(got, want, first_step=STEPS // 2)
+    got = continue_run(ep, tmp_path / "to1", {"parallel.ep_size": "1"}, 1)
+    _assert_same_run(got, want, first_step=STEPS // 2)
