@@ -10,8 +10,9 @@ trained here for a few dozen steps; each layer of each step is one sample). Per 
   measured seconds per row of one expert (forward + backward) on this machine;
 - measured on 4 gloo ranks (optional): the MoE layer's forward + backward under a
   DynamicPlacementDispatcher (wall time from a barrier; the ranks share this machine's cores,
-  so it includes contention), and each rank's expert work replayed alone, rank by rank, timed
-  in thread CPU time (robust to the other jobs on a shared box): the slowest rank's expert
+  so it includes contention), and each rank's expert work (the grouped FFN on the experts
+  placed on it, forward + backward) replayed alone, rank by rank, timed in thread CPU time
+  (robust to the other jobs on a shared box): the slowest rank's expert
   time and max/mean of the measured times, beside the modelled max/mean of the same routing.
 - planning time (LPT and LPT + split) for 128 experts on 8 devices, beside the time of sorting
   128 tuples on the same machine (a calibration: this box is shared and loaded).
@@ -213,20 +214,36 @@ def _gloo_rank(rank: int, world: int, cfg: dict) -> dict:
                 walls.append(time.perf_counter() - start)
                 modelled.append(disp.stats.imbalance)
                 counts = disp.last_layout.local_counts_E
-                rows = sum(counts)
                 for r in range(world):   # replay each rank's expert work alone
-                    if r == rank:   # CPU time of this thread (one torch thread per rank),
-                        xr = torch.randn(rows, D, requires_grad=True)   # best of 3: the box
-                        best = float("inf")                              # is shared
-                        for _ in range(3):
-                            t0 = time.thread_time()
-                            experts.forward_rows(xr, counts).sum().backward()
-                            best = min(best, time.thread_time() - t0)
-                        replay.append(best)
+                    if r == rank:
+                        replay.append(_replay_experts(experts, counts, cfg["replays"]))
                     dist.barrier()
             out[f"zipf{exponent}/{strategy}"] = dict(wall=walls, replay=replay,
                                                      modelled=statistics.mean(modelled))
     return out
+
+
+def _replay_experts(experts, counts: list[int], repeats: int) -> float:
+    """Thread CPU seconds (best of `repeats`; one torch thread per rank, robust to the other
+    jobs on a shared box) of the forward + backward a device does for its placed rows: the
+    grouped FFN on the experts with rows here only (as SharedStoreExperts computes them), so
+    the experts a device does not hold cost it nothing."""
+    from moescale.layers.grouped_ffn import ffn_backward, ffn_forward
+
+    active = [e for e, n in enumerate(counts) if n]
+    counts_A = [counts[e] for e in active]
+    w = experts.weights().take(torch.tensor(active, dtype=torch.int64))
+    w = type(w)(*(None if t is None else t.detach() for t in
+                  (w.w1_EDF, w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)))
+    x_RD = torch.randn(sum(counts_A), experts.d_model)
+    gy_RD = torch.randn_like(x_RD)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        _, h1_RF, h3_RF = ffn_forward(x_RD, counts_A, w, experts.act)
+        ffn_backward(gy_RD, x_RD, h1_RF, h3_RF, counts_A, w, experts.act)
+        best = min(best, time.thread_time() - t0)
+    return best
 
 
 def gloo_measure(world: int, cfg: dict) -> dict:
@@ -260,7 +277,9 @@ def main(argv=None) -> int:
     p.add_argument("--metrics", default=None, help="metrics.jsonl of a run (default: newest "
                    "under runs/, else train a tiny GPT here)")
     p.add_argument("--train-steps", type=int, default=40)
-    p.add_argument("--gloo-iters", type=int, default=3, help="0 skips the gloo measurement")
+    p.add_argument("--gloo-iters", type=int, default=5, help="0 skips the gloo measurement")
+    p.add_argument("--replays", type=int, default=5,
+                   help="replays of each rank's expert work per iteration (best counts)")
     p.add_argument("--gloo-tokens", type=int, default=1024, help="tokens per rank")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -285,13 +304,14 @@ def main(argv=None) -> int:
             ranks=args.devices, tokens_per_rank=args.gloo_tokens, top_k=2,
             note="top-2 routing (two distinct experts per token) drawn from the Zipf law; "
                  "4 processes share this machine's cores: layer step times include "
-                 "contention; expert times are the CPU time of each rank's work replayed "
-                 "alone (best of 3); per iteration the slowest rank and max/mean over "
+                 "contention; expert times are the CPU time of each rank's work (its "
+                 "placed experts only) replayed alone (best of --replays); per iteration "
+                 "the slowest rank and max/mean over "
                  "ranks, median over iterations; modelled = rows-based max/mean, mean over "
                  "the same iterations",
             **gloo_measure(args.devices, dict(
                 experts=args.experts, d_model=args.d_model, d_ff=args.d_ff,
-                tokens=args.gloo_tokens, top_k=2, iters=args.gloo_iters,
+                tokens=args.gloo_tokens, top_k=2, iters=args.gloo_iters, replays=args.replays,
                 exponents=(1.0, 1.5))))
     print(json.dumps(result, indent=1))
     out = Path(args.out) if args.out else \

@@ -134,6 +134,11 @@ class FFNWeights:
     b1_EF: torch.Tensor | None = None
     b2_ED: torch.Tensor | None = None
 
+    def take(self, experts_A: torch.Tensor) -> "FFNWeights":
+        """Copies of the experts listed in experts_A (int64), stacked in that order."""
+        return FFNWeights(*(None if t is None else t.index_select(0, experts_A) for t in
+                            (self.w1_EDF, self.w2_EFD, self.w3_EDF, self.b1_EF, self.b2_ED)))
+
 
 def _pick(t: torch.Tensor | None, e: int):
     return None if t is None else t[e]

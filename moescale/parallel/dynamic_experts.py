@@ -6,7 +6,8 @@ can compute any expert and placement may change every iteration without moving w
 
 `SharedStoreExperts` is the expert container of one layer (no parameters). Called by the
 `DynamicPlacementDispatcher` as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`:
-- forward: the grouped FFN kernel on stacked zero-copy views of the fp32 masters in the store;
+- forward: the grouped FFN kernel on a copy of the fp32 masters of the experts that have rows
+  on this device (A of the E: gradient buffers and weight reads scale with A, not E);
 - backward: per-expert weight gradients of the rows computed here. An expert placed whole on
   this device is owned here: its gradient is added straight into the store's accumulator. A
   split expert's partial gradients are summed over the group with one all-reduce of the split
@@ -82,40 +83,48 @@ def shared_expert_store(moes: Sequence[MoE]) -> ExpertStore:
 
 
 class _SharedStoreFn(torch.autograd.Function):
+    """The grouped FFN on the experts that have rows here (A of the E), gradients into the
+    store. Only the active experts are gathered (one copy of their masters per pass) and get
+    gradient buffers: a device placed 8 of 64 experts pays for 8, not 64."""
+
     @staticmethod
     def forward(ctx, anchor, x_RD, layer: "SharedStoreExperts", counts: tuple,
                 owners: tuple, split: tuple, group):
-        w = layer.weights()
-        y_RD, h1_RF, h3_RF = ffn_forward(x_RD, counts, w, layer.act)
-        ctx.layer, ctx.counts, ctx.group = layer, counts, group
-        ctx.owners, ctx.split = owners, split
-        ctx.save_for_backward(x_RD, h1_RF, h3_RF)
+        active = tuple(e for e, n in enumerate(counts) if n)
+        experts_A = torch.tensor(active, dtype=torch.int64)
+        counts_A = tuple(counts[e] for e in active)
+        y_RD, h1_RF, h3_RF = ffn_forward(x_RD, counts_A, layer.weights().take(experts_A),
+                                         layer.act)
+        ctx.layer, ctx.counts_A, ctx.group = layer, counts_A, group
+        ctx.active, ctx.owners, ctx.split = active, owners, split
+        ctx.save_for_backward(x_RD, h1_RF, h3_RF, experts_A)
         return y_RD
 
     @staticmethod
     def backward(ctx, gy_RD):
-        x_RD, h1_RF, h3_RF = ctx.saved_tensors
-        layer, counts = ctx.layer, ctx.counts
-        w = layer.weights()
-        dx_RD, gw, _ = ffn_backward(gy_RD.contiguous(), x_RD, h1_RF, h3_RF, counts, w,
-                                    layer.act, need_dx=ctx.needs_input_grad[1])
+        x_RD, h1_RF, h3_RF, experts_A = ctx.saved_tensors
+        layer, active = ctx.layer, ctx.active
+        dx_RD, gw, _ = ffn_backward(gy_RD.contiguous(), x_RD, h1_RF, h3_RF, ctx.counts_A,
+                                    layer.weights().take(experts_A), layer.act,
+                                    need_dx=ctx.needs_input_grad[1])
         grads = [getattr(gw, n) for n in PARAM_NAMES if getattr(gw, n) is not None]
+        g_AP = torch.cat([g.reshape(len(active), -1).float() for g in grads], dim=1) \
+            if active else torch.zeros(0, layer.layout.numel)
         rank = dist.get_rank(ctx.group)
         acc_EP = layer.grad_rows()
-
-        def flat(e: int) -> torch.Tensor:
-            return torch.cat([g[e].reshape(-1).float() for g in grads])
-
         split = set(ctx.split)
-        for e, n in enumerate(counts):
-            if n and e not in split:
-                assert ctx.owners[e] == rank, (e, ctx.owners[e], rank)
-                acc_EP[e].add_(flat(e))
+        whole = [i for i, e in enumerate(active) if e not in split]
+        for i in whole:
+            assert ctx.owners[active[i]] == rank, (active[i], ctx.owners[active[i]], rank)
+        if whole:
+            pick = torch.tensor(whole, dtype=torch.int64)
+            acc_EP.index_add_(0, experts_A.index_select(0, pick), g_AP.index_select(0, pick))
         if ctx.split:
+            slot = {e: i for i, e in enumerate(active)}
             buf_SP = torch.zeros(len(ctx.split), layer.layout.numel, dtype=torch.float32)
             for i, e in enumerate(ctx.split):
-                if counts[e]:
-                    buf_SP[i] = flat(e)
+                if e in slot:
+                    buf_SP[i] = g_AP[slot[e]]
             with collective_errors("split-expert gradient all-reduce", ctx.group):
                 dist.all_reduce(buf_SP, group=ctx.group)
             for i, e in enumerate(ctx.split):
