@@ -8,7 +8,7 @@ validation losses, grad norms and routed counts (fp32 tolerance); every logged s
 modelled max/mean device load (dynamic and static placement, >= 1) and the summary their means;
 the checkpoint is consolidated (the single-process keys, shapes and optimizer groups);
 checkpoints resume across layouts (single process -> 2 dynamic ranks -> single process) with
-the uninterrupted losses; the torchrun CLI runs it; no store file is left in /dev/shm; bad
+the uninterrupted losses; two micro-batches per step match too; the torchrun CLI runs it; no store file is left in /dev/shm; bad
 launches are ValueErrors (bad option combinations: test_config_and_data.py)."""
 
 from __future__ import annotations
@@ -97,6 +97,25 @@ def test_resume_across_layouts(runs, tmp_path):
     _assert_same_run(got, want, first_step=STEPS // 2)
     got = continue_run(dynamic, tmp_path / "to_one", {"parallel.placement": "static"}, 1)
     _assert_same_run(got, want, first_step=STEPS // 2)
+
+
+@pytest.mark.timeout(120)
+def test_gradient_accumulation(runs, tmp_path):
+    """Two micro-batches per step: both passes accumulate into the store (possibly through
+    different owners) and the logged load covers both calls of every layer."""
+    corpus = runs[0]
+    options = dict(TINY, **{"train.steps": "6", "train.eval_interval": "0",
+                            "train.grad_accum": "2", "data.path": str(corpus)})
+    single = tmp_path / "single"
+    config = load_config(None, dict(options, **{"train.run_dir": str(single)}))
+    assert Trainer(config, single, out=open(os.devnull, "w")).run() == 0
+    dynamic = tmp_path / "dyn"
+    config = load_config(None, dict(options, **DYNAMIC, **{"train.run_dir": str(dynamic)}))
+    assert train_distributed(config, dynamic, 2, quiet=True, deadline_s=100)[0] == 0
+    _assert_same_run(_records(dynamic), _records(single))
+    for r in _records(dynamic):
+        if r["kind"] == "train":
+            assert r["device_load_mean"] == sum(map(sum, r["tokens_per_expert"])) / 2
 
 
 @pytest.mark.timeout(120)
