@@ -5,6 +5,7 @@
     moescale train --resume runs/20260101-120000     # continue exactly where it stopped
     moescale train --offload.mode host --offload.device_budget_experts 2   # experts in RAM
     torchrun --nproc-per-node 2 -m moescale train --parallel.ep_size 2      # experts split
+    torchrun --nproc-per-node 2 -m moescale train --parallel.placement dynamic   # LPT per step
 
 Options are `--section.name VALUE` (or `--section.name=VALUE`), converted by the type of the
 config field; `--help` lists them all with their defaults. A user error raises ValueError, which
@@ -38,7 +39,11 @@ Offloading: --offload.mode host|pin|disk|auto keeps expert state in RAM or on di
 experts through a device budget (--offload.device_budget BYTES or _experts N; auto: the
 planner picks the mode for the budget). Expert parallelism: launch with
 `torchrun --nproc-per-node N -m moescale train --parallel.ep_size N ...` (gloo on CPU, NCCL
-on GPU); rank 0 prints and writes, checkpoints resume at any rank count.
+on GPU); rank 0 prints and writes, checkpoints resume at any rank count. Dynamic placement:
+`torchrun --nproc-per-node N -m moescale train --parallel.placement dynamic ...` (CPU ranks of
+one machine share one host copy of the experts in /dev/shm, placed by LPT every iteration;
+--parallel.split false: no hot-expert splitting); every step logs the modelled max/mean device
+load (device_load_max_over_mean, static placement's static_load_max_over_mean).
 
 options (--section.option VALUE; 'none' unsets an optional value):"""
 
