@@ -28,7 +28,7 @@ import errno
 import os
 import secrets
 import shutil
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,11 @@ import torch.distributed as dist
 from moescale.layers.moe import MoE
 from moescale.offload.store import MASTER, ExpertLayout, ExpertStore, StoreConfig
 from moescale.parallel.all_to_all import collective_errors
-from moescale.parallel.dynamic_experts import expert_master, grouped_experts_of, grouped_layout
+from moescale.parallel.dynamic_experts import (
+    expert_master,
+    grouped_experts_of,
+    grouped_layout,
+)
 
 DEFAULT_DIRECTORY = "/dev/shm"
 
@@ -94,8 +98,7 @@ def node_expert_store(moes: Sequence[MoE], group=None,
                         data_E4P[e, MASTER].copy_(expert_master(x, e))
                 message = ("ok", path)
             except (OSError, ValueError) as err:
-                message = ("error", f"rank {src} could not create the shared expert store: "
-                           f"{err}")
+                message = ("error", f"rank {src} could not create the shared expert store: {err}")
                 box = [message]
                 with collective_errors("shared-store name broadcast", group):
                     dist.broadcast_object_list(box, src=src, group=group)

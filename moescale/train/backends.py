@@ -438,8 +438,8 @@ class ExpertParallelBackend(LocalBackend):
         """Static placement's modelled per-rank load (rows) from the routed counts."""
         from moescale.parallel.dynamic import static_load_stats
 
-        if not counts_LE:
-            return {}
+        if not counts_LE or self.groups.ep_size == 1:
+            return {}    # every rank holds every expert: no per-rank expert load
         stats = static_load_stats(counts_LE, self.groups.ep_size)
         return {f"device_load_{k}": v for k, v in stats.items()}
 

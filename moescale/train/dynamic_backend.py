@@ -156,7 +156,10 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         self._micro += 1
 
     def _collect(self, keep: bool) -> None:
-        from moescale.parallel.dynamic import DynamicPlacementDispatcher, placement_stats
+        from moescale.parallel.dynamic import (
+            DynamicPlacementDispatcher,
+            placement_stats,
+        )
 
         stats = placement_stats(self._model)
         if keep and stats:
