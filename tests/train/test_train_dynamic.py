@@ -33,6 +33,7 @@ from test_train_parallel import OPTIONS, STEPS, _assert_same_run, _records, cont
 pytestmark = pytest.mark.distributed
 
 DYNAMIC = {"parallel.placement": "dynamic"}
+CPU = {"train.device": "cpu"}     # the reference runs where the dynamic ranks compute
 
 
 def _store_files() -> set[str]:
@@ -43,7 +44,7 @@ def _store_files() -> set[str]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dyn")
     corpus = small_corpus(root / "corpus")
-    options = dict(OPTIONS, **{"data.path": str(corpus)})
+    options = dict(OPTIONS, **CPU, **{"data.path": str(corpus)})
     single = root / "single"
     config = load_config(None, dict(options, **{"train.run_dir": str(single)}))
     assert Trainer(config, single, out=open(os.devnull, "w")).run() == 0
@@ -104,7 +105,7 @@ def test_gradient_accumulation(runs, tmp_path):
     """Two micro-batches per step: both passes accumulate into the store (possibly through
     different owners) and the logged load covers both calls of every layer."""
     corpus = runs[0]
-    options = dict(TINY, **{"train.steps": "6", "train.eval_interval": "0",
+    options = dict(TINY, **CPU, **{"train.steps": "6", "train.eval_interval": "0",
                             "train.grad_accum": "2", "data.path": str(corpus)})
     single = tmp_path / "single"
     config = load_config(None, dict(options, **{"train.run_dir": str(single)}))
