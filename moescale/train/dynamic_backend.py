@@ -129,8 +129,8 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         self.optimizer = optimizer
         decay, no_decay = decay_groups(self._model)
         self.local_order = ([n for n, _ in decay], [n for n, _ in no_decay])
-        assert [p for _, p in decay + no_decay] == \
-            [p for g in optimizer.param_groups for p in g["params"]]
+        assert [id(p) for _, p in decay + no_decay] == \
+            [id(p) for g in optimizer.param_groups for p in g["params"]]
 
     # -- the step ----------------------------------------------------------------------
     def clip(self, model, max_norm: float) -> float | None:
