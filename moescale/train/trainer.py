@@ -443,6 +443,7 @@ class Trainer:
         summary = {
             "kind": "summary", "step": self.step, "steps": self.config.train.steps,
             "train_loss": sum(r["loss"] for r in tail) / len(tail) if tail else None,
+            "train_loss_steps": len(tail),
             "val_loss": vals[-1]["val_loss"] if vals else None,
             "tokens_per_s": train_tokens / train_time if train_time else None,
             "wall_s": wall, "memory": memory, "offload_plan": plan,
@@ -478,7 +479,8 @@ class Trainer:
             f"({self.params.active:,} active per token), {len(self.moe_layers)} MoE layers x "
             f"{self.model.config.num_experts} experts top-{self.model.config.top_k}",
             f"steps:        {s['step']}/{s['steps']}",
-            f"train loss:   {fmt(s['train_loss'], '.4f')} (mean of the last 20 steps)",
+            f"train loss:   {fmt(s['train_loss'], '.4f')} "
+            f"(mean of the last {s.get('train_loss_steps', 20)} steps)",
             f"val loss:     {fmt(s['val_loss'], '.4f')}",
             f"tokens/s:     {fmt(s['tokens_per_s'], ',.0f')}   wall time {s['wall_s']:.1f} s   "
             f"threads {self.config.train.threads} ({self.threads_note})",
