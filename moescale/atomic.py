@@ -33,10 +33,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 @contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside `final`; publish it atomically if the block succeeds."""
+    """Yield a temp path beside `final`; publish it atomically if the block succeeds.
+    The published file is rw-r--r-- (mkstemp's own 0600 would hide results from other users)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.fchmod(fd, 0o644)
     os.close(fd)
     tmp = Path(tmp_name)
     try:

@@ -14,17 +14,17 @@ any global torch setting.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+
+from moescale.atomic import atomic_write_json
 
 
 def hardware_tag(device: torch.device) -> str:
@@ -144,18 +144,5 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    """Atomic JSON write: temp file in the same folder, fsync, os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)   # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Atomic JSON write (moescale.atomic: temp file, fsync, os.replace)."""
+    atomic_write_json(path, payload)
