@@ -32,7 +32,8 @@ modelled per-device loads, max/mean and the number of split experts; `placement_
 condenses them over a model's layers for the trainer to log.
 
 Not here: the expert math and the optimizer step (dynamic_experts.py), overlap of the
-exchanges with compute, and placement across nodes (within a node only).
+exchanges with compute. Placement is within a node (the group); across nodes the experts are
+replicated per node (nodes.py).
 
 Legend: T tokens, R rows this rank routed (grouped by expert), S rows received, D model width,
 E experts, W ranks of the group (= devices of the node).
@@ -237,12 +238,15 @@ class DynamicPlacementDispatcher:
                (affinity); must return the same on every rank.
     placement_hook: optional (placement, counts_E) -> Placement, run after planning on every
                rank (it must be deterministic across ranks; tests use a seeded permutation).
+    stats_group: the group the balance-loss statistics are summed over (default: `group`);
+               across nodes the world (parallel/nodes.py), so the balance loss is the one of
+               every token, as on one process.
     """
 
     def __init__(self, group, num_experts: int, config: PlacementConfig,
                  resident: Callable[[], list[set[int]]] | None = None,
-                 placement_hook: Callable[[Placement, list[int]], Placement] | None = None
-                 ) -> None:
+                 placement_hook: Callable[[Placement, list[int]], Placement] | None = None,
+                 stats_group=None) -> None:
         size = dist.get_world_size(group)
         if config.num_devices != size:
             raise ValueError(f"PlacementConfig(num_devices={config.num_devices}) must equal the "
@@ -252,6 +256,7 @@ class DynamicPlacementDispatcher:
         self.group, self.num_experts, self.config = group, num_experts, config
         self.rank, self.size = dist.get_rank(group), size
         self.resident, self.placement_hook = resident, placement_hook
+        self.stats_group = group if stats_group is None else stats_group
         self.stats: PlacementStats | None = None
         self.last_placement: Placement | None = None
         self.last_layout: RowLayout | None = None
@@ -327,8 +332,8 @@ class DynamicPlacementDispatcher:
         return combine_rows(_take(y_back, inv_send), plan)
 
     def reduce_sum(self, stats: torch.Tensor) -> torch.Tensor:
-        """Balance-loss statistics summed over the group (differentiable)."""
-        return all_reduce_sum(stats, self.group)
+        """Balance-loss statistics summed over `stats_group` (differentiable)."""
+        return all_reduce_sum(stats, self.stats_group)
 
 
 def sum_expert_grads(experts: torch.nn.Module, group) -> None:

@@ -4,8 +4,8 @@ Under torchrun no parent process exists to build a shared `ExpertStore` and hand
 the ranks (what `shared_expert_store` + `run_local` do in tests), so `node_expert_store(moes,
 group)` does it collectively, with a file in /dev/shm (tmpfs, i.e. RAM):
 
-  1. rank 0 of the group checks the free space, creates `moescale-store-<pid>-<random>.bin`
-     exclusively (O_EXCL), sized for every layer's [E, 4, P] records and [E] step counts,
+  1. rank 0 of the group checks the free space, creates
+     `moescale-store-node<node>-<pid>-<random>.bin` exclusively (O_EXCL), sized for every layer's [E, 4, P] records and [E] step counts,
      maps it (`torch.from_file(shared=True)`: MAP_SHARED) and writes the fp32 masters of its
      model's GroupedExperts (gradients, moments and steps start at zero);
   2. it broadcasts the file name (or its error, so no rank waits for a file that never came);
@@ -17,6 +17,8 @@ group)` does it collectively, with a file in /dev/shm (tmpfs, i.e. RAM):
 File layout, all float32: layer 0's data_E4P, layer 0's steps_E, layer 1's data_E4P, ...
 Every rank must start from identical experts (same seed); only rank 0's are read. The group's
 ranks must share one machine (the mapping is local): `moescale train` checks LOCAL_WORLD_SIZE.
+Across nodes every node (group) makes its own store; `node` (the node's index) goes into the
+name, so the stores of virtual nodes on one machine are told apart.
 
 Not here: the store's semantics (offload/store.py), the experts computed on it
 (dynamic_experts.py).
@@ -77,9 +79,10 @@ def _create(path: str, numel: int, directory: str) -> torch.Tensor:
 
 
 def node_expert_store(moes: Sequence[MoE], group=None,
-                      directory: str = DEFAULT_DIRECTORY) -> ExpertStore:
-    """Collective over `group` (the ranks of one node): one host copy of the experts of `moes`
-    (layer i = moes[i]) mapped by every rank, as an ExpertStore (see the module docstring)."""
+                      directory: str = DEFAULT_DIRECTORY, node: int = 0) -> ExpertStore:
+    """Collective over `group` (the ranks of node `node`): one host copy of the experts of
+    `moes` (layer i = moes[i]) mapped by every rank, as an ExpertStore (see the module
+    docstring)."""
     experts = [grouped_experts_of(m, "a shared expert store") for m in moes]
     layouts = [grouped_layout(x) for x in experts]
     num_experts = [x.num_experts for x in experts]
@@ -89,7 +92,7 @@ def node_expert_store(moes: Sequence[MoE], group=None,
     path, flat, message = None, None, None
     try:
         if rank == 0:
-            path = os.path.join(directory, f"moescale-store-{os.getpid()}-"
+            path = os.path.join(directory, f"moescale-store-node{node}-{os.getpid()}-"
                                 f"{secrets.token_hex(6)}.bin")
             try:
                 flat = _create(path, numel, directory)

@@ -248,6 +248,8 @@ class ParallelSection:
     placement: str = "static"   # static (expert e on rank e // (E / ep_size)) | dynamic (all
                                 # local ranks share one host copy; LPT placement per iteration)
     split: bool = True          # dynamic: shard the rows of experts heavier than a device's share
+    node_size: int = 0          # dynamic: ranks per node (each node its own store, experts
+                                # replicated across nodes); 0 = the ranks of a machine
     timeout_s: float = 300.0    # a collective waiting longer fails instead of hanging
 
     def __post_init__(self) -> None:
@@ -259,6 +261,8 @@ class ParallelSection:
         _need(self.placement in PLACEMENTS, "parallel.placement", self.placement,
               f"choose one of {', '.join(PLACEMENTS)}")
         _need(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
+        _need(self.node_size >= 0, "parallel.node_size", self.node_size,
+              "must be >= 0 (0: the ranks of each machine; N: nodes of N consecutive ranks)")
 
     def chunk_count(self) -> int | str:
         return "auto" if self.chunks == "auto" else int(self.chunks)
@@ -289,6 +293,10 @@ class RunConfig:
             raise ValueError("parallel.split=false applies to parallel.placement dynamic "
                              "(hot-expert splitting); static placement never splits: drop it "
                              "or set parallel.placement dynamic")
+        elif self.parallel.node_size:
+            raise ValueError(f"parallel.node_size={self.parallel.node_size} applies to "
+                             "parallel.placement dynamic (a store per node); static placement "
+                             "has no nodes: drop it or set parallel.placement dynamic")
         single = self.parallel.ep_size == 1
         for option, value, plain in (("parallel.chunks", self.parallel.chunks, "1"),
                                      ("parallel.reuse", self.parallel.reuse, "none")):

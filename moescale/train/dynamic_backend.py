@@ -1,32 +1,42 @@
 """`moescale train --parallel.placement dynamic`: one node-shared host copy of the experts, LPT.
 
-`DynamicPlacementBackend` (picked by `make_backend`) runs on the W local ranks of one node
-(torchrun, or `train_distributed`), gloo, on the CPU:
+`DynamicPlacementBackend` (picked by `make_backend`) runs on W = N x L ranks (torchrun, or
+`train_distributed`), gloo, on the CPU: N nodes of L consecutive ranks (`parallel.node_size`;
+0 = the ranks of a machine, so N = the machines; parallel/nodes.py):
 
-- `prepare`: local rank 0 puts every MoE layer's experts into one ExpertStore in /dev/shm that
-  all ranks map (`node_expert_store`), and each MoE becomes a `dynamic_placement_moe` over it:
-  every iteration each layer all-gathers the routed counts, plans the same LPT placement on
-  every rank (`parallel.split`: hot experts' rows sharded over devices), and moves rows to
-  this iteration's owners and back. The dense optimizer sees only dense parameters.
+- `prepare`: each node's local rank 0 puts every MoE layer's experts into one ExpertStore in
+  /dev/shm that the node's ranks map (`node_expert_store`; every node its own, initialised
+  from the same seed), and each MoE becomes a `dynamic_placement_moe` over it and the node
+  group: every iteration each layer all-gathers the node's routed counts, plans the same LPT
+  placement on the node's ranks (`parallel.split`: hot experts' rows sharded over devices),
+  and moves rows to this iteration's owners and back. Balance-loss statistics are summed over
+  the world (the single-process balance loss). The dense optimizer sees only dense parameters.
 - each rank takes its slice of the batch rows (as expert parallelism does), so the global batch
   and the loss are the single-process ones;
-- `clip`: dense gradients are averaged over the ranks; the global gradient norm counts them
-  once plus the store's expert gradient accumulators, each summed by the rank that steps it,
-  and scales both (the single-process `clip_grad_norm_` over every parameter);
-- `step_experts`: `step_shared_experts` with the dense optimizer's current lr, betas, eps and
-  weight decay (every expert tensor is a matrix in the single-process model, so all decay):
-  each expert is stepped once, by its owner, between two barriers (the fence);
+- `clip`: dense gradients are averaged over the world; then each rank averages its share of
+  the node's expert gradient accumulators over the nodes (`average_across_nodes`: the node
+  accumulators hold node-mean gradients, their mean over nodes is the gradient of the mean
+  loss over all tokens); the global gradient norm counts the dense part once plus every
+  expert's accumulator once (the shares are disjoint within a node, summed over the node
+  group; every node gets the same norm), and scales both (the single-process
+  `clip_grad_norm_` over every parameter);
+- `step_experts`: `step_shared_experts` over the node group with the dense optimizer's
+  current lr, betas, eps and weight decay (every expert tensor is a matrix in the
+  single-process model, so all decay): in each node each expert is stepped once, by its owner,
+  between two barriers (the fence); the nodes step equal gradients with equal state, so their
+  replicas stay bitwise equal;
 - `step_metrics`: the modelled device load (rows; summed over the step's MoE calls) of the
-  dynamic placement and of static placement (expert e on rank e // (E / W)) from the same
-  counts;
+  dynamic placement (the busiest node's max, the mean over all devices) and of static
+  placement (expert e on rank e // (E / W)) from the same counts;
 - checkpoints are consolidated into the single-process format: expert weights (model state)
   and their AdamW moments and step counts (optimizer state, single-process parameter indices)
-  are read from the store, so they resume at any layout and a single-process checkpoint
-  resumes here. On resume rank 0 writes them back into the store (the trainer's barrier
-  follows before anyone reads).
+  are read from (node 0's) store, so they resume at any layout and a single-process
+  checkpoint resumes here. On resume every node's local rank 0 writes them into its store
+  (the trainer's barrier follows before anyone reads).
 
-Not here: multi-node placement, GPUs (the shared-store experts compute on the host copy),
-bf16, offloading combined with it (refused by `RunConfig.check_supported`).
+Not here: placement across nodes (experts are replicated per node), GPUs (the shared-store
+experts compute on the host copy), bf16, offloading combined with it (refused by
+`RunConfig.check_supported`).
 
 Legend: E experts of a layer, P parameters of one expert.
 """
@@ -48,25 +58,25 @@ STORE_ROWS = {"exp_avg": 2, "exp_avg_sq": 3}   # offload.store EXP_AVG, EXP_AVG_
 def _launch_error(what: str) -> ValueError:
     return ValueError(f"parallel.placement='dynamic' {what}; launch with `torchrun "
                       "--nproc-per-node N -m moescale train --parallel.placement dynamic ...` "
-                      "on one machine (or moescale.train.backends.train_distributed)")
+                      "(or moescale.train.backends.train_distributed)")
 
 
 class DynamicPlacementBackend(ExpertParallelBackend):
-    """The ranks of one node share the experts; each iteration LPT places them (see above)."""
+    """The ranks of a node share the experts; each iteration LPT places them; nodes hold
+    replicas (see above)."""
 
     def __init__(self, config: RunConfig) -> None:   # not EP's __init__: its checks differ
         import torch.distributed as dist
 
         from moescale.parallel.groups import ParallelConfig, init_distributed
+        from moescale.parallel.nodes import node_layout
 
         if not dist.is_initialized() and "RANK" not in os.environ:
             raise _launch_error("needs the processes of a distributed launch")
         world = dist.get_world_size() if dist.is_initialized() else \
             int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if local != world:
-            raise _launch_error(f"places experts over the ranks of one node, but {world} ranks "
-                                f"run with {local} per node")
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+        self.layout = node_layout(world, rank, config.parallel.node_size, os.environ)
         if config.train.batch_size % world:
             raise ValueError(f"train.batch_size={config.train.batch_size} is not divisible by "
                              f"the {world} ranks; each rank takes an equal slice of the rows")
@@ -77,7 +87,9 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         if config.train.device == "auto":
             config.train.device = "cpu"    # the shared-store experts compute on the host
         self.config = config
-        self.groups = init_distributed(ParallelConfig(ep_size=None, backend="gloo",
+        # ep_group: the node's L consecutive ranks; dp_group: the same local rank on every node
+        self.groups = init_distributed(ParallelConfig(ep_size=self.layout.node_size,
+                                                      backend="gloo",
                                                       timeout_s=config.parallel.timeout_s))
         self.rank, self.world_size = self.groups.rank, self.groups.world_size
         self.writer = self.rank == 0
@@ -95,6 +107,8 @@ class DynamicPlacementBackend(ExpertParallelBackend):
 
     # -- model -------------------------------------------------------------------------
     def prepare(self, model) -> None:
+        import torch.distributed as dist
+
         from moescale.layers.moe import MoE
         from moescale.parallel.dynamic_experts import PARAM_NAMES, dynamic_placement_moe
         from moescale.parallel.node_store import node_expert_store
@@ -108,16 +122,18 @@ class DynamicPlacementBackend(ExpertParallelBackend):
             for pname in PARAM_NAMES:
                 if getattr(moe.experts, pname, None) is not None:
                     self.expert_keys[f"{name}.experts.{pname}"] = (i, pname)
-        self.store = node_expert_store([m for _, m in named], None)
+        node = self.groups.ep_group
+        self.store = node_expert_store([m for _, m in named], node, node=self.layout.node)
         index = {id(m): i for i, (_, m) in enumerate(named)}
-        placement = PlacementConfig(num_devices=self.world_size,
+        placement = PlacementConfig(num_devices=self.layout.node_size,
                                     split=self.config.parallel.split)
         rng = torch.get_rng_state()     # building layers must not shift the run's RNG stream
         for module in list(model.modules()):
             for cname, child in list(module.named_children()):
                 if isinstance(child, MoE) and id(child) in index:
                     setattr(module, cname, dynamic_placement_moe(
-                        child, self.store, index[id(child)], None, placement))
+                        child, self.store, index[id(child)], node, placement,
+                        stats_group=dist.group.WORLD))
         torch.set_rng_state(rng)
         self.layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
         self._model = model
@@ -134,12 +150,13 @@ class DynamicPlacementBackend(ExpertParallelBackend):
 
     # -- the step ----------------------------------------------------------------------
     def clip(self, model, max_norm: float) -> float | None:
-        from moescale.parallel.dynamic_experts import owned_experts
         from moescale.parallel.grad_sync import allreduce_gradients, clip_grad_norm_
+        from moescale.parallel.nodes import average_across_nodes
 
         allreduce_gradients(model, self.groups)   # after it every backward has finished
-        mine = [layer.grad_rows()[e] for layer in self.layers
-                for e in owned_experts(layer, self.rank, self.world_size)]
+        # this rank's share of the node's experts, averaged over the nodes: every expert is
+        # counted once per node, and the norm is summed over the node group (groups.ep_group)
+        mine = average_across_nodes(self.layers, self.layout, self.groups.dp_group)
         return float(clip_grad_norm_(model, max_norm if max_norm > 0 else math.inf,
                                      self.groups, extra_grads=mine))
 
@@ -147,7 +164,9 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         from moescale.parallel.dynamic_experts import step_shared_experts
 
         oc = self.config.optim
-        step_shared_experts(self.layers, None, lr=self.optimizer.param_groups[0]["lr"],
+        # its first barrier: every share is averaged and clipped before any owner steps
+        step_shared_experts(self.layers, self.groups.ep_group,
+                            lr=self.optimizer.param_groups[0]["lr"],
                             betas=(oc.beta1, oc.beta2), eps=oc.eps,
                             weight_decay=oc.weight_decay)
 
@@ -175,15 +194,31 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         calls, self._calls, self._micro = self._calls, [], 0
         max_load = sum(c["placement_max_load"] for c in calls)
         mean_load = sum(c["placement_mean_load"] for c in calls)
+        worst = max((c["placement_max_over_mean"] for c in calls), default=1.0)
+        split = sum(c["placement_split_experts"] for c in calls)
+        if self.layout.num_nodes > 1:     # the busiest node's max, the mean over all devices
+            max_load, worst = self._over_nodes([max_load, worst], "max")
+            mean_load, split = self._over_nodes([mean_load, split], "sum")
+            mean_load /= self.layout.num_nodes
         out = {"device_load_max": max_load, "device_load_mean": mean_load,
                "device_load_max_over_mean": max_load / mean_load if mean_load > 0 else 1.0,
-               "device_load_worst_layer": max((c["placement_max_over_mean"] for c in calls),
-                                              default=1.0),
-               "split_experts": int(sum(c["placement_split_experts"] for c in calls))}
+               "device_load_worst_layer": worst, "split_experts": int(split)}
         if counts and all(len(c) % self.world_size == 0 for c in counts):
             static = static_load_stats(counts, self.world_size)
             out.update({f"static_load_{k}": v for k, v in static.items()})
         return out
+
+    def _over_nodes(self, values: list[float], op: str) -> list[float]:
+        """`values` reduced (max or sum) over the inter-node group."""
+        import torch.distributed as dist
+
+        from moescale.parallel.all_to_all import collective_errors
+
+        t = torch.tensor(values, dtype=torch.float64)
+        with collective_errors("placement-statistics all-reduce", self.groups.dp_group):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                            group=self.groups.dp_group)
+        return t.tolist()
 
     # -- checkpoints: the single-process format ------------------------------------------
     def _slot(self, key: str):
@@ -225,7 +260,7 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         if missing:
             raise KeyError(f"expert weights {missing[:3]} missing from the checkpoint")
         model.load_state_dict(state)
-        if self.rank == 0:
+        if self.layout.local_rank == 0:     # every node's store
             for key, value in experts.items():
                 self._write_expert(key, 0, value)
 
@@ -297,9 +332,10 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         return out
 
     def load_extra(self, ckpt_dir: Path, state: dict) -> None:
-        """Rank 0 writes the experts' moments and step counts into the store."""
+        """Each node's local rank 0 writes the experts' moments and step counts into its
+        store."""
         loaded, self._loaded = self._loaded, {}
-        if self.rank != 0:
+        if self.layout.local_rank != 0:
             return
         for (pname, key), value in loaded.items():
             if key in STORE_ROWS:
@@ -318,10 +354,13 @@ class DynamicPlacementBackend(ExpertParallelBackend):
 
         nbytes = sum(x.records().numel() * 4 for x in self.layers)
         how = "LPT + hot-expert splitting" if self.config.parallel.split else "LPT"
+        nodes = self.layout.num_nodes
+        where = "" if nodes == 1 else (f" on each of {nodes} nodes (replicas, gradients "
+                                       f"averaged across nodes)")
         return "device-only", (f"device-only, experts in one host copy shared by the "
-                               f"{self.world_size} local ranks ({fmt_bytes(nbytes)} in /dev/shm: "
-                               f"weights, gradients, AdamW moments), placed each iteration by "
-                               f"{how} on {device}")
+                               f"{self.layout.node_size} local ranks{where} "
+                               f"({fmt_bytes(nbytes)} in /dev/shm: weights, gradients, AdamW "
+                               f"moments), placed each iteration by {how} on {device}")
 
     def close(self) -> None:
         self.store = None     # the mapping goes with the last reference (the file is gone)

@@ -8,8 +8,9 @@ validation losses, grad norms and routed counts (fp32 tolerance); every logged s
 modelled max/mean device load (dynamic and static placement, >= 1) and the summary their means;
 the checkpoint is consolidated (the single-process keys, shapes and optimizer groups);
 checkpoints resume across layouts (single process -> 2 dynamic ranks -> single process) with
-the uninterrupted losses; two micro-batches per step match too; the torchrun CLI runs it; no store file is left in /dev/shm; bad
-launches are ValueErrors (bad option combinations: test_config_and_data.py)."""
+the uninterrupted losses; two micro-batches per step match too; the torchrun CLI runs it; no
+store file is left in /dev/shm; bad launches are ValueErrors (bad option combinations:
+test_config_and_data.py; several nodes: test_train_nodes.py)."""
 
 from __future__ import annotations
 
@@ -144,8 +145,8 @@ def test_a_dynamic_run_needs_a_launch(tmp_path, monkeypatch):
         make_backend(config, tmp_path)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="one node"):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")     # 2 x 2 would be nodes (test_train_nodes.py)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=3 does not divide the 4 ranks"):
         make_backend(config, tmp_path)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     config = load_config(None, dict(DYNAMIC, **{"train.batch_size": "6"}))
