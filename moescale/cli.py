@@ -18,17 +18,19 @@ SUBCOMMANDS = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: moescale <command> [options]", "", "commands:"]
-    lines += [f"  {name:<7} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines.append("\n`moescale <command> --help` lists a command's options.")
+def usage_text(command: str, table: dict[str, tuple[str, str]], what: str) -> str:
+    """The help of a name -> (module, description) router: `moescale` and `moescale bench`."""
+    width = max(map(len, table)) + 2
+    lines = [f"usage: {command} <{what}> [options]", "", f"{what}s:"]
+    lines += [f"  {name:<{width}}{help_}" for name, (_, help_) in table.items()]
+    lines.append(f"\n`{command} <{what}> --help` lists its options.")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(usage_text("moescale", SUBCOMMANDS, "command"))
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

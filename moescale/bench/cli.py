@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from moescale.cli import usage_text
+
 BENCHMARKS = {
     "layer": ("moescale.bench.layer",
               "one MoE layer, forward + backward, vs the GEMM floor, HF Mixtral, DeepSpeed-MoE"),
@@ -25,17 +27,10 @@ BENCHMARKS = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: moescale bench <benchmark> [options]", "", "benchmarks:"]
-    lines += [f"  {name:<13} {help_}" for name, (_, help_) in BENCHMARKS.items()]
-    lines.append("\n`moescale bench <benchmark> --help` lists its options.")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(usage_text("moescale bench", BENCHMARKS, "benchmark"))
         return 0
     name, rest = argv[0], argv[1:]
     if name not in BENCHMARKS:
