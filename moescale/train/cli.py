@@ -42,8 +42,10 @@ planner picks the mode for the budget). Expert parallelism: launch with
 on GPU); rank 0 prints and writes, checkpoints resume at any rank count. Dynamic placement:
 `torchrun --nproc-per-node N -m moescale train --parallel.placement dynamic ...` (CPU ranks of
 one machine share one host copy of the experts in /dev/shm, placed by LPT every iteration;
---parallel.split false: no hot-expert splitting); every step logs the modelled max/mean device
-load (device_load_max_over_mean, static placement's static_load_max_over_mean).
+--parallel.split false: no hot-expert splitting; several machines (torchrun --nnodes): a copy
+per machine, gradients averaged across machines; --parallel.node_size N: nodes of N ranks);
+every step logs the modelled max/mean device load (device_load_max_over_mean, static
+placement's static_load_max_over_mean).
 
 options (--section.option VALUE; 'none' unsets an optional value):"""
 

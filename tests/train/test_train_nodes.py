@@ -7,24 +7,29 @@ single-process losses, validation losses, grad norms and routed counts (fp32 tol
 the end the two nodes' stores hold bitwise-equal expert masters, AdamW moments and step
 counts (and the stores differ from the initial experts, so the check can fail); every step
 logs the modelled load over all 4 devices; the consolidated checkpoint of the 2 x 2 run
-resumes in one process with the uninterrupted losses; bad node layouts are ValueErrors that
+resumes in one process, and a single-process checkpoint on 2 x 2, with the uninterrupted
+losses; two torchrun agents as the two machines
+of `torchrun --nnodes 2` (node_size 0) give the single-process losses too; bad node layouts are ValueErrors that
 name the fix (node_layout on its own, through make_backend, and the config)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from moescale.parallel.launch import run_local
+from moescale.parallel.launch import free_port, run_local
 from moescale.parallel.nodes import node_layout, node_share
 from moescale.train.backends import make_backend
 from moescale.train.config import load_config, to_dict
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import small_corpus
+from train_helpers import as_argv, small_corpus
 from test_train_parallel import OPTIONS, STEPS, _assert_same_run, _records, continue_run
 
 pytestmark = pytest.mark.distributed
@@ -61,12 +66,12 @@ def runs(tmp_path_factory):
                         deadline_s=150)
     assert [r.value[0] for r in results] == [0] * 4
     stores = {r.value[1]: r.value[2] for r in results if r.value[1] is not None}
-    return single, nodes, stores, initial
+    return single, nodes, stores, initial, options
 
 
 @pytest.mark.timeout(200)
 def test_two_nodes_of_two_equal_single_process(runs):
-    single, nodes, _, _ = runs
+    single, nodes, *_ = runs
     _assert_same_run(_records(nodes), _records(single))
     train = [r for r in read_metrics(nodes / "metrics.jsonl") if r["kind"] == "train"]
     assert len(train) == STEPS
@@ -76,7 +81,7 @@ def test_two_nodes_of_two_equal_single_process(runs):
 
 
 def test_the_nodes_replicas_stay_bitwise_equal(runs):
-    _, _, stores, initial = runs
+    _, _, stores, initial, _ = runs
     assert sorted(stores) == [0, 1]
     for (data0, steps0), (data1, steps1) in zip(stores[0], stores[1]):
         assert np.array_equal(data0.view(np.int32), data1.view(np.int32))   # bit patterns
@@ -89,10 +94,44 @@ def test_the_nodes_replicas_stay_bitwise_equal(runs):
 
 @pytest.mark.timeout(120)
 def test_the_two_node_checkpoint_resumes_in_one_process(runs, tmp_path):
-    single, nodes, _, _ = runs
+    single, nodes, *_ = runs
     got = continue_run(nodes, tmp_path / "to_one", {"parallel.placement": "static",
                                                     "parallel.node_size": "0"}, 1)
     _assert_same_run(got, _records(single), first_step=STEPS // 2)
+
+
+@pytest.mark.timeout(120)
+def test_a_single_process_checkpoint_resumes_on_two_nodes(runs, tmp_path):
+    """Every node's local rank 0 writes the restored experts and moments into its store."""
+    single, *_ = runs
+    got = continue_run(single, tmp_path / "to_nodes", NODES, 4)
+    _assert_same_run(got, _records(single), first_step=STEPS // 2)
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_on_two_machines(runs, tmp_path):
+    """Two torchrun agents on this machine as the two machines of `torchrun --nnodes 2`
+    (node_size 0: LOCAL_WORLD_SIZE, numbering checked against GROUP_RANK / LOCAL_RANK)."""
+    single, _, _, _, options = runs
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("moescale-store-")}
+    torchrun, port = Path(sys.executable).parent / "torchrun", str(free_port())
+    argv = as_argv(dict(options, **{"parallel.placement": "dynamic",
+                                    "train.run_dir": str(tmp_path / "run")}))
+    procs = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--node-rank", str(k),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                               "--master-port", port, "-m", "moescale", "train", *argv],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for k in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "2 local ranks on each of 2 nodes" in outs[0]
+    _assert_same_run(_records(tmp_path / "run"), _records(single))
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("moescale-store-")} == before
 
 
 @pytest.mark.parametrize("world, node_size, env, match", [
