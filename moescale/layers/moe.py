@@ -28,6 +28,16 @@ from moescale.routing.losses import balance_loss, z_loss
 from moescale.routing.routers import Router
 
 
+def check_loss_and_capacity(config) -> None:
+    """The capacity factor and loss coefficients a layer config (MoEConfig, GPTConfig) holds."""
+    if config.capacity_factor is not None and not config.capacity_factor > 0:
+        raise ValueError(f"capacity_factor={config.capacity_factor!r} must be > 0, or None "
+                         "for dropless routing")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        if not getattr(config, name) >= 0:
+            raise ValueError(f"{name}={getattr(config, name)!r} must be >= 0")
+
+
 @dataclass(kw_only=True)
 class MoEConfig:
     """Plain-data description of one MoE layer (validated on construction)."""
@@ -54,12 +64,7 @@ class MoEConfig:
             raise ValueError(f"d_model={self.d_model!r} must be a positive integer")
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None "
-                             "for dropless routing")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        check_loss_and_capacity(self)
         self.router_config = RouterConfig(
             kind=self.router, num_experts=self.num_experts, top_k=self.top_k,
             renormalize=self.renormalize, jitter_eps=self.jitter_eps,

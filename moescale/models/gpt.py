@@ -31,7 +31,7 @@ from torch import nn
 
 from moescale.layers.activations import ACTIVATIONS, Activation
 from moescale.layers.experts import GroupedExperts
-from moescale.layers.moe import MoE, collect_aux_loss
+from moescale.layers.moe import MoE, check_loss_and_capacity, collect_aux_loss
 
 
 @dataclass(kw_only=True)
@@ -97,12 +97,7 @@ class GPTConfig:
                              "bias-free); set bias=False")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must lie in [0, 1)")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None "
-                             "for dropless routing")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        check_loss_and_capacity(self)
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
