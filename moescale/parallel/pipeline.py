@@ -42,6 +42,7 @@ D model width, F expert hidden width, W ranks of the EP group, L experts per ran
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -393,7 +394,8 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         self.memory_limit_bytes, self.rates = memory_limit_bytes, rates
         self.tuner = ChunkTuner(tuner or TunerConfig()) if num_chunks == "auto" else None
         self.last_stats: dict = {}
-        self.history: list[tuple[int, int]] = []     # (bucket, chunks) of each call
+        # (bucket, chunks) of the last calls (bounded: a long run makes millions of calls)
+        self.history: deque[tuple[int, int]] = deque(maxlen=4096)
 
     def strategy_for(self, max_rows: int, chunks: int, local: GroupedExperts,
                      x_TD: torch.Tensor) -> str:

@@ -77,12 +77,16 @@ class ChunkTuner:
         return min(measured, key=lambda c: (statistics.median(table[c]), c))
 
     def record(self, bucket: int, chunks: int, seconds: float) -> None:
-        """One measured call of `chunks` in `bucket` (the warm-up calls are dropped)."""
+        """One measured call of `chunks` in `bucket` (the warm-up calls are dropped). Each
+        candidate keeps its last `trials` times: memory and the median's cost stay bounded
+        over a long run, and the exploited candidate's median follows drifts in its time."""
         if self.skipped.get(bucket, 0) < self.config.warmup:
             self.skipped[bucket] = self.skipped.get(bucket, 0) + 1
             return
-        if chunks in self._bucket(bucket):
-            self._bucket(bucket)[chunks].append(float(seconds))
+        times = self._bucket(bucket).get(chunks)
+        if times is not None:
+            times.append(float(seconds))
+            del times[:-self.config.trials]
 
     def converged(self, bucket: int) -> bool:
         table = self._bucket(bucket)

@@ -48,3 +48,12 @@ def test_bucket_and_config_errors():
         TunerConfig(warmup=-1)
     with pytest.raises(ValueError, match="positive chunk counts"):
         TunerConfig(candidates=(1, 0))
+
+
+def test_memory_stays_bounded_over_a_long_run():
+    tuner = ChunkTuner(TunerConfig(candidates=(1, 2), trials=3, warmup=0))
+    for step in range(10_000):
+        c = tuner.choose(4)
+        tuner.record(4, c, 1.0 if c == 1 else 2.0)
+    assert {c: len(v) for c, v in tuner.samples[4].items()} == {1: 3, 2: 3}
+    assert tuner.best(4) == 1
