@@ -13,8 +13,12 @@ os.replace) and only then removes older store directories. A failure at any poin
 full, a read error) removes the partial directory and leaves LATEST and the checkpoint it names
 intact. Records stream one expert at a time, so a disk-tier store never needs its size in RAM.
 
+An expert-parallel run writes the same format for all E experts of a layer (`save_records` over
+records gathered from the ranks) and each rank loads its slice (`load_store(...,
+first_expert, total_experts)`), so such a checkpoint equals a one-process store's.
+
 Deliberately not here: dense parameters and the dense optimizer (the trainer's own checkpoint),
-sharding over ranks.
+the gathering over ranks (moescale/train/ep_offload_backend.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,18 @@ LATEST = "expert-store.LATEST"
 
 def save_store(store: ExpertStore, directory: str, tag: str) -> str:
     """Write the whole store under directory (atomically); returns the store directory."""
+    def read(layer: int, e: int) -> tuple[torch.Tensor, float]:
+        rec = store.acquire((layer, e))
+        try:
+            return rec.data_4P.clone(), float(rec.step_t)
+        finally:
+            store.release((layer, e))
+    return save_records(directory, tag, store.layouts, store.num_experts, read)
+
+
+def save_records(directory: str, tag: str, layouts, num_experts: list[int], read) -> str:
+    """save_store's format from any source: read(layer, e) -> (record [4, P] fp32, step count),
+    called in file order (expert-parallel runs write their gathered shards with it)."""
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory={directory!r} does not exist; create it first")
     name = f"expert-store-{tag}"
@@ -44,18 +60,15 @@ def save_store(store: ExpertStore, directory: str, tag: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
-        meta = {"layouts": [list(zip(lay.names, lay.shapes)) for lay in store.layouts],
-                "num_experts": store.num_experts, "steps": {}}
-        for layer, num in enumerate(store.num_experts):
+        meta = {"layouts": [list(zip(lay.names, lay.shapes)) for lay in layouts],
+                "num_experts": list(num_experts), "steps": {}}
+        for layer, num in enumerate(num_experts):
             path = os.path.join(tmp, f"layer{layer:03d}.bin")
             with open(path, "wb") as f:
                 for e in range(num):
-                    rec = store.acquire((layer, e))
-                    try:
-                        f.write(memoryview(rec.data_4P.contiguous().numpy()).cast("B"))
-                        meta["steps"][f"{layer},{e}"] = float(rec.step_t)
-                    finally:
-                        store.release((layer, e))
+                    data_4P, step = read(layer, e)
+                    f.write(memoryview(data_4P.contiguous().numpy()).cast("B"))
+                    meta["steps"][f"{layer},{e}"] = float(step)
                 f.flush()
                 os.fsync(f.fileno())
         atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta))
@@ -78,8 +91,12 @@ def save_store(store: ExpertStore, directory: str, tag: str) -> str:
     return final
 
 
-def load_store(store: ExpertStore, directory: str) -> None:
-    """Fill `store` (same layers and experts) from the checkpoint LATEST names."""
+def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
+               total_experts: int | None = None) -> None:
+    """Fill `store` (same layers and experts) from the checkpoint LATEST names.
+
+    Expert-parallel shard: the checkpoint holds `total_experts` per layer and the store the
+    `store.num_experts` starting at `first_expert` (global ids)."""
     latest = os.path.join(directory, LATEST)
     if not os.path.exists(latest):
         raise ValueError(f"no expert-store checkpoint under {directory!r} ({LATEST} is missing)")
@@ -89,13 +106,17 @@ def load_store(store: ExpertStore, directory: str) -> None:
         meta = json.load(f)
     want = [[list(x) for x in zip(lay.names, lay.shapes)] for lay in store.layouts]
     got = [[[n, list(s)] for n, s in layer] for layer in meta["layouts"]]
+    expected = store.num_experts if total_experts is None else \
+        [total_experts] * len(store.num_experts)
     if got != [[[n, list(s)] for n, s in layer] for layer in want] or \
-            meta["num_experts"] != store.num_experts:
+            meta["num_experts"] != expected:
         raise ValueError(f"the checkpoint in {src!r} holds experts of another shape "
-                         f"({meta['num_experts']} experts per layer); build the same model")
+                         f"({meta['num_experts']} experts per layer, this model {expected}); "
+                         "build the same model")
     for layer, num in enumerate(store.num_experts):
         numel = store.layouts[layer].numel
         with open(os.path.join(src, f"layer{layer:03d}.bin"), "rb") as f:
+            f.seek(first_expert * 16 * numel)
             for e in range(num):
                 buf = torch.empty(4, numel, dtype=torch.float32)
                 if f.readinto(memoryview(buf.numpy()).cast("B")) != 16 * numel:
@@ -104,7 +125,7 @@ def load_store(store: ExpertStore, directory: str) -> None:
                 rec = store.acquire((layer, e))
                 try:
                     rec.data_4P.copy_(buf)
-                    rec.step_t.fill_(meta["steps"][f"{layer},{e}"])
+                    rec.step_t.fill_(meta["steps"][f"{layer},{first_expert + e}"])
                     store.bump_version((layer, e))  # device copies of the old state are stale
                 finally:
                     store.release((layer, e), dirty=True)

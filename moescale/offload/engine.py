@@ -19,6 +19,11 @@ device cache, and is the handle of the training loop:
 `engine.step()` steps the experts that have not stepped yet (all of them in deferred mode)
 on the host worker and returns at once; per-expert fences keep the next forward correct.
 
+Expert-parallel layers (`ExpertShard` experts from moescale.parallel, static dispatcher) are
+offloaded too: the store holds this rank's local experts only (store expert l is global expert
+`expert_ids.start + l`), so each rank of an EP group streams its own shard (docs/offloading.md,
+"Offloading with expert parallelism").
+
 `OffloadConfig(tier="auto", tokens_per_micro_batch=..., device_budget_bytes=...)` lets the
 planner pick the mode (auto.py); `engine.plan` then holds its estimates and pick.
 
@@ -228,9 +233,14 @@ class OffloadEngine:
             reservation.release()  # the download holds the device buffers via record_stream
             self.optimizer.accumulate(key, transfer, last=last)
 
-    def clip_grad_norm_(self, dense_params: Iterable[torch.Tensor], max_norm: float) -> float:
+    def clip_grad_norm_(self, dense_params: Iterable[torch.Tensor], max_norm: float,
+                        reduce_expert_sq=None) -> float:
         """Global-norm clipping over dense and expert gradients (deferred mode), like
-        torch.nn.utils.clip_grad_norm_; dense grads are scaled now, expert grads at step()."""
+        torch.nn.utils.clip_grad_norm_; dense grads are scaled now, expert grads at step().
+
+        reduce_expert_sq(sq) -> sq, if given, sums the expert part over the ranks whose stores
+        hold disjoint experts (expert parallelism: an all-reduce over the EP group); the dense
+        grads must then already be identical on every rank (averaged), so they count once."""
         if self.config.step_mode != "deferred":
             raise ValueError("clip_grad_norm_ over expert gradients needs step_mode='deferred' "
                              "(eager mode steps experts during backward)")
@@ -238,7 +248,10 @@ class OffloadEngine:
         dense_sq = torch.zeros((), dtype=torch.float32)
         for g in grads:
             dense_sq += g.detach().float().norm(2).square()
-        total = float((dense_sq + self.optimizer.grad_norm_sq()).sqrt())
+        expert_sq = self.optimizer.grad_norm_sq()
+        if reduce_expert_sq is not None:
+            expert_sq = reduce_expert_sq(expert_sq)
+        total = float((dense_sq + expert_sq).sqrt())
         coef = min(1.0, max_norm / (total + 1e-6))
         for g in grads:
             g.detach().mul_(coef)
@@ -284,11 +297,13 @@ class OffloadEngine:
         self.synchronize()
         return save_store(self.store, directory, tag)
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Restore the expert store from the last complete checkpoint under directory."""
+    def load_checkpoint(self, directory: str, first_expert: int = 0,
+                        total_experts: int | None = None) -> None:
+        """Restore the expert store from the last complete checkpoint under directory (an
+        expert-parallel rank: its experts from `first_expert` of `total_experts` per layer)."""
         self.synchronize()
         self.cache.clear()
-        load_store(self.store, directory)
+        load_store(self.store, directory, first_expert, total_experts)
 
     def close(self) -> None:
         self.synchronize()
@@ -304,26 +319,60 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
 
     expert_init(layer, expert, layout) -> flat fp32 [layout.numel], if given, initialises the
     store instead of the experts' own weights: models built on the meta device never hold
-    their experts in memory (grouped experts only)."""
+    their experts in memory (grouped experts only; `expert` is the global id, also for
+    expert-parallel layers)."""
     config = config or OffloadConfig()
     planned = None
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if config.tier == "auto" and any(_expert_shard(m) is not None for m in moes):
+        raise ValueError("tier='auto' plans one process's experts; this model is "
+                         "expert-parallel (ExpertShard layers): give tier='host' or 'disk' "
+                         "and a device budget per rank")
     if config.tier == "auto":
         config, estimates, pick = resolve_auto(model, config)
         planned = (estimates, pick)
     engine = OffloadEngine(config)
     engine.plan = planned  # (the planner's estimates, its pick) when tier was 'auto'
 
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         raise ValueError("offload_moe found no MoE layer in the model; build it with "
                          "moescale.MoE layers (or convert its FFNs first)")
     for moe in moes:
-        if isinstance(moe.experts, GroupedExperts):
-            moe.experts = engine.add(moe.experts, expert_init)
-        elif isinstance(moe.experts, ModuleExperts):
-            moe.experts = engine.add_modules(moe.experts, moe.config.d_model)
+        shard = _expert_shard(moe)
+        experts = moe.experts if shard is None else shard.local
+        init = expert_init
+        if shard is not None and expert_init is not None:   # local expert l = global start + l
+            def init(layer, e, layout, _start=shard.expert_ids.start):
+                return expert_init(layer, _start + e, layout)
+        if isinstance(experts, GroupedExperts):
+            offloaded = engine.add(experts, init)
+        elif isinstance(experts, ModuleExperts):
+            offloaded = engine.add_modules(experts, moe.config.d_model)
         else:
             raise ValueError(f"offload_moe supports GroupedExperts and ModuleExperts; this "
-                             f"layer has {type(moe.experts).__name__}")
+                             f"layer has {type(experts).__name__}")
+        if shard is None:
+            moe.experts = offloaded
+        else:
+            shard.local = offloaded
     engine.finish_setup()
     return engine
+
+
+def _expert_shard(moe: MoE):
+    """The layer's ExpertShard when it is expert-parallel (static dispatcher only), else None.
+
+    The store then holds this rank's L local experts (store expert l = global expert
+    shard.expert_ids.start + l); the static dispatcher calls their forward_rows, and its
+    all-to-all backward scales the gradient (x 1/W in, x W out), so expert gradients reach the
+    store at the mean scale with no parameter involved."""
+    from moescale.parallel.expert_parallel import ExpertParallelDispatcher, ExpertShard
+
+    if not isinstance(moe.experts, ExpertShard):
+        return None
+    if type(moe.dispatcher) is not ExpertParallelDispatcher:
+        raise ValueError(f"offload_moe on an expert-parallel layer needs the static "
+                         f"ExpertParallelDispatcher, not {type(moe.dispatcher).__name__}: the "
+                         "pipelined all-to-all runs the experts' weights itself and cannot "
+                         "stream them from a store; use chunks=1 and reuse='none'")
+    return moe.experts

@@ -26,6 +26,8 @@ The Trainer (trainer.py) owns the loop; a backend owns what differs between thes
   run is not identical to one process (ep_size = world size is).
 
   Its step_metrics log static placement's modelled per-rank load (max/mean rows) per step.
+- `ExpertParallelOffloadBackend` (`parallel.ep_size` > 1 with `offload.mode` host | pin | disk,
+  ep_offload_backend.py): static EP whose local experts each rank offloads into its own store.
 - `DynamicPlacementBackend` (`parallel.placement dynamic`, dynamic_backend.py): one host copy of
   the experts shared by the local ranks, LPT placement (+ splitting) every iteration.
 
@@ -33,8 +35,8 @@ The Trainer (trainer.py) owns the loop; a backend owns what differs between thes
 `torchrun --nproc-per-node N -m moescale train ...` (real processes via `run_local`; gloo for
 dynamic placement).
 
-Deliberately not here: offloading combined with expert parallelism or dynamic placement
-(refused by `RunConfig.check_supported`), the loop itself, checkpoint file formats.
+Deliberately not here: offloading combined with dynamic placement (refused by
+`RunConfig.check_supported`), the loop itself, checkpoint file formats.
 
 Legend: B batch rows, S sequence, W world size.
 """
@@ -183,7 +185,8 @@ class OffloadBackend(LocalBackend):
             kw["directory"] = str(self.disk_dir)
         if tier == "disk" and host_cache is None:
             record = max(16 * sum(p.numel() for p in m.experts.parameters()) //
-                         max(1, m.num_experts) for m in self._moes(model))
+                         max(1, getattr(m.experts, "num_local_experts", m.num_experts))
+                         for m in self._moes(model))   # an EP shard holds its local experts
             total = sum(16 * sum(p.numel() for p in m.experts.parameters())
                         for m in self._moes(model))
             host_cache = max(2 * record, total // 8)
@@ -213,6 +216,16 @@ class OffloadBackend(LocalBackend):
     def attach(self, optimizer) -> None:
         self.engine.follow(optimizer)
 
+    def load_model_state(self, model, state) -> None:
+        """Strict, except for expert weights of offloaded layers (an expert-parallel offloaded
+        run saves them in the model state too; the store holds them here)."""
+        from moescale.offload.experts import OffloadedExpertsBase
+
+        offloaded = {name for name, m in model.named_modules()
+                     if isinstance(m, OffloadedExpertsBase)}
+        model.load_state_dict({k: v for k, v in state.items()
+                               if k.rpartition(".")[0] not in offloaded})
+
     def begin_micro_batch(self, last: bool) -> None:
         self.engine.begin_micro_batch(last=last)
 
@@ -233,13 +246,15 @@ class OffloadBackend(LocalBackend):
         self.engine.save_checkpoint(str(target), tag=f"{step:08d}")
         return {"expert_store": target.name}
 
-    def load_extra(self, ckpt_dir: Path, state: dict) -> None:
+    def load_extra(self, ckpt_dir: Path, state: dict, first_expert: int = 0,
+                   total_experts: int | None = None) -> None:
+        """Restore the store (an expert-parallel rank: its slice of a store of all experts)."""
         name = state.get("expert_store")
         if name is None or not (ckpt_dir / name).is_dir():
             raise ValueError(f"the checkpoint of step {state.get('step')} has no expert store "
                              f"({name or 'none recorded'} under {str(ckpt_dir)!r}); it was "
                              "written without offloading: resume with the run's config.toml")
-        self.engine.load_checkpoint(str(ckpt_dir / name))
+        self.engine.load_checkpoint(str(ckpt_dir / name), first_expert, total_experts)
 
     def after_save(self, ckpt_dir: Path) -> None:
         kept = {f"store_{step:08d}" for step, _ in list_checkpoints(ckpt_dir)}
@@ -463,9 +478,8 @@ def make_backend(config: RunConfig, run_dir: Path) -> LocalBackend:
         return DynamicPlacementBackend(config)
     if config.parallel.ep_size > 1 or multi:
         if config.offload.mode != "device-only":
-            raise ValueError(f"offload.mode={config.offload.mode!r} in a multi-process run is "
-                             "not supported: offloading and expert parallelism are not "
-                             "combined in `moescale train` yet")
+            from moescale.train.ep_offload_backend import ExpertParallelOffloadBackend
+            return ExpertParallelOffloadBackend(config, run_dir)
         return ExpertParallelBackend(config)
     if config.offload.mode != "device-only":
         return OffloadBackend(config, run_dir)

@@ -10,8 +10,9 @@ type and default; `to_toml()` writes the resolved tree (None values are omitted:
 Offloading (`[offload]`: mode, budgets, step mode, activation policy), expert parallelism
 (`[parallel]`: ep_size, chunks, reuse) and dynamic placement (`parallel.placement`, `split`) are
 wired into the trainer (moescale/train/backends.py);
-`check_supported()` refuses the combinations it cannot run (offloading together with expert
-parallelism; dynamic placement with offloading, ep_size, bf16, CUDA), with a clear message,
+`check_supported()` refuses the combinations it cannot run (offloading with the pipelined
+all-to-all or with auto under expert parallelism; dynamic placement with offloading, ep_size,
+bf16, CUDA), with a clear message,
 instead of silently ignoring them.
 
 This file builds no model and touches no tensors.
@@ -283,10 +284,7 @@ class RunConfig:
         """Refuse combinations the trainer cannot run, rather than ignoring them."""
         offloaded = self.offload.mode != "device-only"
         if offloaded and self.parallel.ep_size > 1:
-            raise ValueError(f"offload.mode={self.offload.mode!r} with parallel.ep_size="
-                             f"{self.parallel.ep_size} is not supported: offloading and expert "
-                             "parallelism are not combined in `moescale train` yet; use one "
-                             "of them (offload.mode device-only, or parallel.ep_size 1)")
+            self._check_offloaded_shards()
         if self.parallel.placement == "dynamic":
             self._check_dynamic()
         elif not self.parallel.split:
@@ -298,9 +296,8 @@ class RunConfig:
                              "parallel.placement dynamic (a store per node); static placement "
                              "has no nodes: drop it or set parallel.placement dynamic")
         single = self.parallel.ep_size == 1
-        for option, value, plain in (("parallel.chunks", self.parallel.chunks, "1"),
-                                     ("parallel.reuse", self.parallel.reuse, "none")):
-            if single and value != plain:
+        for option, value, plain in self._pipelined_options():
+            if single:
                 raise ValueError(f"{option}={value!r} needs expert parallelism (the pipelined "
                                  f"all-to-all); set parallel.ep_size > 1 or {option}={plain}")
         if offloaded and self.offload.step_mode == "eager" and self.optim.grad_clip > 0:
@@ -312,6 +309,22 @@ class RunConfig:
             raise ValueError("offload.mode='auto' needs offload.device_budget (e.g. '256MiB'): "
                              "the planner picks the fastest mode that fits it")
 
+    def _pipelined_options(self) -> list[tuple[str, str, str]]:
+        """(option, value, plain value) of each pipelined all-to-all option that is set."""
+        return [(option, value, plain) for option, value, plain in
+                (("parallel.chunks", self.parallel.chunks, "1"),
+                 ("parallel.reuse", self.parallel.reuse, "none")) if value != plain]
+
+    def _check_offloaded_shards(self) -> None:
+        where = f"offload.mode={self.offload.mode!r} with parallel.ep_size={self.parallel.ep_size}"
+        if self.offload.mode == "auto":
+            raise ValueError(f"{where} is not supported: the planner plans one process's "
+                             "experts; choose offload.mode host, pin or disk and a device "
+                             "budget per rank (offload.device_budget_experts)")
+        for option, value, plain in self._pipelined_options():
+            raise ValueError(f"{where} and {option}={value!r} is not supported: the "
+                             "pipelined all-to-all runs the experts' weights itself and "
+                             f"cannot stream them from the store; use {option} {plain}")
 
     def _check_dynamic(self) -> None:
         where = "parallel.placement='dynamic'"
@@ -324,12 +337,10 @@ class RunConfig:
                              "dynamic placement spreads every expert over all local ranks each "
                              "iteration (ep_size is static placement's split); leave "
                              "parallel.ep_size at 1")
-        for option, value, plain in (("parallel.chunks", self.parallel.chunks, "1"),
-                                     ("parallel.reuse", self.parallel.reuse, "none")):
-            if value != plain:
-                raise ValueError(f"{where} with {option}={value!r} is not supported: the "
-                                 f"pipelined all-to-all is static placement's; use {option} "
-                                 f"{plain}")
+        for option, value, plain in self._pipelined_options():
+            raise ValueError(f"{where} with {option}={value!r} is not supported: the "
+                             f"pipelined all-to-all is static placement's; use {option} "
+                             f"{plain}")
         if self.train.precision != "fp32":
             raise ValueError(f"{where} with train.precision={self.train.precision!r} is not "
                              "supported: the shared-store experts compute in fp32 on the host "

@@ -99,6 +99,22 @@ def _close(name, got, want, case):
                              f"{tuple(want.shape)})")
 
 
+def check_layer(moe, full, case, xs, cs, y_ref, gx_ref, rank, groups) -> None:
+    """This rank's output, then backward of its share of the loss and gradient averaging:
+    its input gradient and the router gradient against the reference."""
+    world = len(xs)
+    x = xs[rank].clone().requires_grad_(True)
+    y = moe(x)
+    _close("output", y.detach(), y_ref[rank], case)
+    total = max(sum(t.shape[0] for t in xs), 1)
+    loss = world * (y * cs[rank]).sum() / total + moe.last_aux_loss
+    loss.backward()
+    allreduce_gradients(moe, groups)
+    # activation grads are those of this rank's own loss: W times dL/dx
+    _close("input grad", x.grad / world, gx_ref[rank], case)
+    _close("router grad", moe.router.weight.grad, full.router.weight.grad, case)
+
+
 def check_against_reference(rank: int, world: int, cases: list[dict], ep_size: int | None):
     groups = build_groups(ParallelConfig(ep_size=ep_size, backend="gloo", timeout_s=20))
     done = []
@@ -112,16 +128,7 @@ def check_against_reference(rank: int, world: int, cases: list[dict], ep_size: i
                 groups, case["E"], num_chunks=case["chunks"], strategy=case["strategy"],
                 memory_limit_bytes=case.get("memory_limit"))
         moe = shard_moe(full, groups, dispatcher)
-        x = xs[rank].clone().requires_grad_(True)
-        y = moe(x)
-        _close("output", y.detach(), y_ref[rank], case)
-        total = max(sum(t.shape[0] for t in xs), 1)
-        loss = world * (y * cs[rank]).sum() / total + moe.last_aux_loss
-        loss.backward()
-        allreduce_gradients(moe, groups)
-        # activation grads are those of this rank's own loss: W times dL/dx
-        _close("input grad", x.grad / world, gx_ref[rank], case)
-        _close("router grad", moe.router.weight.grad, full.router.weight.grad, case)
+        check_layer(moe, full, case, xs, cs, y_ref, gx_ref, rank, groups)
         ids = moe.experts.expert_ids
         for name, p in moe.experts.local.named_parameters():
             if case.get("module_experts"):

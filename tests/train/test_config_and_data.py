@@ -46,7 +46,12 @@ def test_bad_values_name_the_option(overrides, words):
 
 def test_unsupported_combinations_are_refused_not_ignored():
     for overrides, words in (
-            ({"offload.mode": "disk", "parallel.ep_size": "2"}, "not combined"),
+            ({"offload.mode": "disk", "parallel.ep_size": "2", "parallel.chunks": "2"},
+             "cannot stream them from the store; use parallel.chunks 1"),
+            ({"offload.mode": "host", "parallel.ep_size": "2", "parallel.reuse": "S2"},
+             "use parallel.reuse none"),
+            ({"offload.mode": "auto", "offload.device_budget": "1MiB",
+              "parallel.ep_size": "2"}, "offload.mode host, pin or disk"),
             ({"parallel.placement": "dynamic", "offload.mode": "host"}, "offload.mode device-only"),
             ({"parallel.placement": "dynamic", "parallel.ep_size": "2"}, "conflicts"),
             ({"parallel.placement": "dynamic", "parallel.chunks": "2"}, "pipelined"),
@@ -65,6 +70,7 @@ def test_unsupported_combinations_are_refused_not_ignored():
                {"offload.mode": "host", "offload.step_mode": "eager", "optim.grad_clip": "0"},
                {"parallel.ep_size": "2", "parallel.chunks": "auto", "parallel.reuse": "auto"},
                {"offload.mode": "auto", "offload.device_budget": "1MiB"},
+               {"offload.mode": "disk", "parallel.ep_size": "2"},
                {"parallel.placement": "dynamic", "parallel.split": "false"}):
         load_config(None, ok).check_supported()
 

@@ -1,0 +1,176 @@
+"""`moescale train` with expert parallelism AND offloaded experts on 2 gloo ranks (real
+processes via train_distributed, the Python twin of torchrun).
+
+Each rank owns 2 of the 4 experts of every MoE layer, in its own ExpertStore (host RAM, or
+files under expert-store/rank<r>), streamed through a 2-expert device budget and stepped by its
+host AdamW. Checked against single-process device-only training with torch AdamW: 20 steps
+(host, deferred with global-norm clipping; disk likewise) give the same losses, validation
+losses, grad norms and routed counts (fp32, relative 1e-5); eager steps without clipping too.
+Every rank's simulated device peak stays within the budget. The checkpoint is consolidated
+(the single-process model state: expert weights gathered from the stores; one store of all
+experts): resumed on 2 ranks it logs the uninterrupted run's numbers, and it also resumes in
+one offloaded process. More ranks than ep_size with offloading is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from moescale.train.backends import train_distributed
+from moescale.train.checkpoint import checkpoint_path, load_checkpoint
+from moescale.train.config import load_config
+from moescale.train.metrics import read_metrics
+from moescale.train.trainer import Trainer
+from train_helpers import TINY, small_corpus
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 20
+EP_OFFLOAD = {"parallel.ep_size": "2", "offload.device_budget_experts": "2"}
+
+
+def _config(corpus, run_dir, **extra):
+    overrides = dict(TINY, **{"data.path": str(corpus), "train.steps": str(STEPS),
+                              "train.eval_interval": "10", "train.checkpoint_interval": "10",
+                              "train.keep_last": "2", "train.run_dir": str(run_dir)})
+    overrides.update(extra)
+    return load_config(None, overrides)
+
+
+def _records(run_dir, after=0):
+    return [r for r in read_metrics(run_dir / "metrics.jsonl")
+            if r["kind"] in ("train", "val") and r["step"] > after]
+
+
+def _assert_same(got, want, rel=1e-5, keys=("loss", "val_loss", "aux_loss", "grad_norm")):
+    assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
+    for a, b in zip(got, want):
+        for key in keys:
+            if b.get(key) is not None:
+                assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-7), (key, a["step"])
+        assert a.get("tokens_per_expert") == b.get("tokens_per_expert"), a["step"]
+
+
+def _distributed(config, run_dir, **kw):
+    code, summary = train_distributed(config, run_dir, 2, quiet=True, deadline_s=100, **kw)
+    assert code == 0
+    return summary
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return small_corpus(tmp_path_factory.mktemp("corpus") / "c")
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    assert Trainer(_config(corpus, run_dir), run_dir, out=open(os.devnull, "w")).run() == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def host_run(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ep_host") / "run"
+    summary = _distributed(_config(corpus, run_dir, **EP_OFFLOAD, **{"offload.mode": "host"}),
+                           run_dir)
+    return run_dir, summary
+
+
+def _assert_within_budget(summary):
+    memory = summary["memory"]
+    assert memory["device_budget_bytes"] > 0
+    assert len(memory["device_peak_bytes_per_rank"]) == 2
+    for peak in memory["device_peak_bytes_per_rank"]:     # every rank streamed experts
+        assert 0 < peak <= memory["device_budget_bytes"]
+
+
+@pytest.mark.timeout(120)
+def test_host_offloaded_shards_train_like_one_process(host_run, single):
+    run_dir, summary = host_run
+    _assert_same(_records(run_dir), _records(single))
+    _assert_within_budget(summary)
+    assert summary["world_size"] == 2 and summary["offload_plan"] == "host"
+    # consolidated: the single-process model state (experts gathered from both stores)
+    ep_tensors, ep_state = load_checkpoint(checkpoint_path(run_dir / "checkpoints", STEPS))
+    one_tensors, _ = load_checkpoint(checkpoint_path(single / "checkpoints", STEPS))
+    model_keys = {k for k in one_tensors if k.startswith("model.")}
+    assert {k for k in ep_tensors if k.startswith("model.")} == model_keys
+    assert any(k.endswith("experts.w1_EDF") for k in model_keys)
+    for key in model_keys:
+        assert ep_tensors[key].shape == one_tensors[key].shape, key
+        torch.testing.assert_close(ep_tensors[key], one_tensors[key], rtol=1e-3, atol=1e-5,
+                                   msg=key)
+    store = run_dir / "checkpoints" / ep_state["expert_store"]
+    meta = json.loads(next(store.glob("expert-store-*/meta.json")).read_text())
+    assert meta["num_experts"] == [4, 4]           # one store of all experts per layer
+
+
+@pytest.mark.timeout(120)
+def test_disk_offloaded_shards_train_like_one_process(corpus, single, tmp_path):
+    run_dir = tmp_path / "ep_disk"
+    summary = _distributed(_config(corpus, run_dir, **EP_OFFLOAD, **{"offload.mode": "disk"}),
+                           run_dir)
+    _assert_same(_records(run_dir), _records(single))
+    _assert_within_budget(summary)
+    memory = summary["memory"]
+    assert memory["disk_bytes"] > 0 and memory["disk_read_bytes"] > 0
+    for rank in (0, 1):                            # each rank its own directory of experts
+        files = list((run_dir / "expert-store" / f"rank{rank}").rglob("expert*.bin"))
+        assert len(files) == 2 * 2, files          # 2 MoE layers x 2 local experts
+
+
+@pytest.mark.timeout(120)
+def test_eager_steps_without_clipping(corpus, tmp_path):
+    options = {"train.steps": "4", "optim.grad_clip": "0", "train.checkpoint_interval": "0",
+               "train.eval_interval": "0"}
+    one = tmp_path / "one"
+    assert Trainer(_config(corpus, one, **options), one, out=open(os.devnull, "w")).run() == 0
+    run_dir = tmp_path / "eager"
+    _distributed(_config(corpus, run_dir, **EP_OFFLOAD, **options, **{
+        "offload.mode": "host", "offload.step_mode": "eager"}), run_dir)
+    got = _records(run_dir)
+    assert [r["grad_norm"] for r in got if r["kind"] == "train"] == [None] * 4
+    _assert_same(got, _records(one), keys=("loss", "val_loss", "aux_loss"))
+
+
+def _resume_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for entry in (dst / "checkpoints").iterdir():
+        if entry.is_file() and entry.name != checkpoint_path(dst, STEPS // 2).name:
+            entry.unlink()
+    return dst
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_resumes_on_two_ranks_and_in_one_process(host_run, single, tmp_path):
+    run_dir, _ = host_run
+    want = _records(run_dir, after=STEPS // 2)
+    again = _resume_copy(run_dir, tmp_path / "again")
+    config = load_config(None, {"train.run_dir": str(again)},
+                         base=tomllib.loads((again / "config.toml").read_text()))
+    summary = _distributed(config, again, resume=True)
+    assert summary["resumed_from"].endswith(checkpoint_path(again, STEPS // 2).name)
+    _assert_same(_records(again, after=STEPS // 2), want, rel=1e-6)
+    # the same checkpoint continued by one offloaded process: the single-process losses
+    one = _resume_copy(run_dir, tmp_path / "one")
+    config = load_config(None, {"train.run_dir": str(one), "parallel.ep_size": "1"},
+                         base=tomllib.loads((one / "config.toml").read_text()))
+    trainer = Trainer(config, one, resume=True, out=open(os.devnull, "w"))
+    assert trainer.step == STEPS // 2 and trainer.run() == 0
+    _assert_same(_records(one, after=STEPS // 2), _records(single, after=STEPS // 2))
+
+
+@pytest.mark.timeout(60)
+def test_replicated_offloaded_shards_are_refused(corpus, tmp_path):
+    run_dir = tmp_path / "replicas"
+    config = _config(corpus, run_dir, **{"offload.mode": "host", "train.steps": "1"})
+    with pytest.raises(RuntimeError, match="not replicated over data-parallel ranks; set "
+                                           "parallel.ep_size 2"):
+        train_distributed(config, run_dir, 2, quiet=True, deadline_s=50)
