@@ -39,7 +39,9 @@ Offloading: --offload.mode host|pin|disk|auto keeps expert state in RAM or on di
 experts through a device budget (--offload.device_budget BYTES or _experts N; auto: the
 planner picks the mode for the budget). Expert parallelism: launch with
 `torchrun --nproc-per-node N -m moescale train --parallel.ep_size N ...` (gloo on CPU, NCCL
-on GPU); rank 0 prints and writes, checkpoints resume at any rank count. Dynamic placement:
+on GPU); rank 0 prints and writes, checkpoints resume at any rank count. Both: add
+--offload.mode host|pin|disk and each rank streams its own experts from its own store (disk:
+<offload.disk_dir or run_dir/expert-store>/rank<r>) through its device budget. Dynamic placement:
 `torchrun --nproc-per-node N -m moescale train --parallel.placement dynamic ...` (CPU ranks of
 one machine share one host copy of the experts in /dev/shm, placed by LPT every iteration;
 --parallel.split false: no hot-expert splitting; several machines (torchrun --nnodes): a copy

@@ -134,7 +134,7 @@ def test_eager_steps_without_clipping(corpus, tmp_path):
     assert Trainer(_config(corpus, one, **options), one, out=open(os.devnull, "w")).run() == 0
     run_dir = tmp_path / "eager"
     _distributed(_config(corpus, run_dir, **EP_OFFLOAD, **options, **{
-        "offload.mode": "host", "offload.step_mode": "eager"}), run_dir)
+        "offload.mode": "pin", "offload.step_mode": "eager"}), run_dir)
     got = _records(run_dir)
     assert [r["grad_norm"] for r in got if r["kind"] == "train"] == [None] * 4
     _assert_same(got, _records(one), keys=("loss", "val_loss", "aux_loss"))
