@@ -55,6 +55,7 @@ class ExpertParallelOffloadBackend(ExpertParallelBackend):
         if config.offload.mode == "disk":
             self.offload.disk_dir.mkdir(parents=True, exist_ok=True)
         self._first_expert = self._total_experts = 0
+        self._shard_names: list[tuple[str, torch.nn.Module]] = []   # (name, offloaded local)
         self._gathered: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property

@@ -5,11 +5,13 @@ Each rank owns 2 of the 4 experts of every MoE layer, in its own ExpertStore (ho
 files under expert-store/rank<r>), streamed through a 2-expert device budget and stepped by its
 host AdamW. Checked against single-process device-only training with torch AdamW: 20 steps
 (host, deferred with global-norm clipping; disk likewise) give the same losses, validation
-losses, grad norms and routed counts (fp32, relative 1e-5); eager steps without clipping too.
+losses, grad norms and routed counts (fp32, relative 1e-5); pin mode with eager steps, gradient
+accumulation 2 and no clipping too.
 Every rank's simulated device peak stays within the budget. The checkpoint is consolidated
 (the single-process model state: expert weights gathered from the stores; one store of all
 experts): resumed on 2 ranks it logs the uninterrupted run's numbers, and it also resumes in
-one offloaded process. More ranks than ep_size with offloading is refused."""
+one offloaded process; a one-process (disk) checkpoint resumes on 2 ranks. More ranks than
+ep_size with offloading is refused."""
 
 from __future__ import annotations
 
@@ -127,9 +129,9 @@ def test_disk_offloaded_shards_train_like_one_process(corpus, single, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_eager_steps_without_clipping(corpus, tmp_path):
+def test_eager_steps_with_accumulation_without_clipping(corpus, tmp_path):
     options = {"train.steps": "4", "optim.grad_clip": "0", "train.checkpoint_interval": "0",
-               "train.eval_interval": "0"}
+               "train.eval_interval": "0", "train.grad_accum": "2"}
     one = tmp_path / "one"
     assert Trainer(_config(corpus, one, **options), one, out=open(os.devnull, "w")).run() == 0
     run_dir = tmp_path / "eager"
@@ -165,6 +167,18 @@ def test_checkpoint_resumes_on_two_ranks_and_in_one_process(host_run, single, tm
     trainer = Trainer(config, one, resume=True, out=open(os.devnull, "w"))
     assert trainer.step == STEPS // 2 and trainer.run() == 0
     _assert_same(_records(one, after=STEPS // 2), _records(single, after=STEPS // 2))
+
+
+@pytest.mark.timeout(120)
+def test_one_process_offloaded_checkpoint_resumes_on_two_ranks(corpus, single, tmp_path):
+    first = tmp_path / "first"
+    config = _config(corpus, first, **{"offload.mode": "disk"})
+    assert Trainer(config, first, out=open(os.devnull, "w")).run(until_step=STEPS // 2) == 0
+    config = load_config(None, {"train.run_dir": str(first), "parallel.ep_size": "2",
+                                "offload.device_budget_experts": "2"},
+                         base=tomllib.loads((first / "config.toml").read_text()))
+    _distributed(config, first, resume=True)
+    _assert_same(_records(first), _records(single))
 
 
 @pytest.mark.timeout(60)
