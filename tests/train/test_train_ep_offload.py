@@ -1,6 +1,7 @@
 """`moescale train` with expert parallelism AND offloaded experts on 2 gloo ranks (real
 processes via train_distributed, the Python twin of torchrun).
 
+Runs through train_distributed and (disk) through `torchrun ... -m moescale train`.
 Each rank owns 2 of the 4 experts of every MoE layer, in its own ExpertStore (host RAM, or
 files under expert-store/rank<r>), streamed through a 2-expert device budget and stepped by its
 host AdamW. Checked against single-process device-only training with torch AdamW: 20 steps
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, small_corpus
+from train_helpers import TINY, as_argv, small_corpus
 
 pytestmark = pytest.mark.distributed
 
@@ -115,10 +118,19 @@ def test_host_offloaded_shards_train_like_one_process(host_run, single):
 
 
 @pytest.mark.timeout(120)
-def test_disk_offloaded_shards_train_like_one_process(corpus, single, tmp_path):
+def test_disk_offloaded_shards_train_like_one_process_under_torchrun(corpus, single, tmp_path):
     run_dir = tmp_path / "ep_disk"
-    summary = _distributed(_config(corpus, run_dir, **EP_OFFLOAD, **{"offload.mode": "disk"}),
-                           run_dir)
+    options = dict(TINY, **EP_OFFLOAD, **{
+        "offload.mode": "disk", "data.path": str(corpus), "train.steps": str(STEPS),
+        "train.eval_interval": "10", "train.checkpoint_interval": "10", "train.keep_last": "2",
+        "train.run_dir": str(run_dir)})
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
+                           "moescale", "train", *as_argv(options)], capture_output=True,
+                          text=True, timeout=100, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("run dir:") == 1 and "2 expert-parallel ranks" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
     _assert_same(_records(run_dir), _records(single))
     _assert_within_budget(summary)
     memory = summary["memory"]
