@@ -78,15 +78,14 @@ class ChunkTuner:
 
     def record(self, bucket: int, chunks: int, seconds: float) -> None:
         """One measured call of `chunks` in `bucket` (the warm-up calls are dropped). Each
-        candidate keeps its last `trials` times: memory and the median's cost stay bounded
-        over a long run, and the exploited candidate's median follows drifts in its time."""
+        candidate keeps its first `trials` times, so the choice is fixed once the bucket is
+        explored (no flip-flopping on noise) and memory stays bounded over a long run."""
         if self.skipped.get(bucket, 0) < self.config.warmup:
             self.skipped[bucket] = self.skipped.get(bucket, 0) + 1
             return
         times = self._bucket(bucket).get(chunks)
-        if times is not None:
+        if times is not None and len(times) < self.config.trials:
             times.append(float(seconds))
-            del times[:-self.config.trials]
 
     def converged(self, bucket: int) -> bool:
         table = self._bucket(bucket)
