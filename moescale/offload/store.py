@@ -174,8 +174,6 @@ class ExpertStore:
                     f"{2 * layout.record_bytes()}")
             check_directory(self.config.directory, need)
             os.makedirs(self._layer_dir(layer), exist_ok=True)
-        self.layouts.append(layout)
-        self.num_experts.append(num_experts)
         data_E4P = None
         steps_E = torch.zeros(num_experts, dtype=torch.float32)
         if self.config.tier == "host":
@@ -188,12 +186,9 @@ class ExpertStore:
                         data_E4P.data_ptr(), data_E4P.numel() * data_E4P.element_size(), 0)
             elif self.config.pin_memory:
                 data_E4P = data_E4P.pin_memory()
-            self._host.append(data_E4P)
-        self._host_steps.append(steps_E)
+        self._register(layout, data_E4P, steps_E)
         for e in range(num_experts):
             key = (layer, e)
-            self._steps[key] = steps_E[e]  # a 0-dim view: AdamW increments it in place
-            self.versions[key] = 0
             master_P = init(e).detach().reshape(-1).to(torch.float32)
             if master_P.numel() != layout.numel:
                 raise ValueError(f"init({e}) has {master_P.numel()} numbers; the layout wants "
@@ -223,15 +218,22 @@ class ExpertStore:
             if tuple(data_E4P.shape[1:]) != (4, layout.numel):
                 raise ValueError(f"shared tensor of shape {tuple(data_E4P.shape)} does not hold "
                                  f"records of {layout.numel} parameters")
-            layer = len(store.layouts)
-            store.layouts.append(layout)
-            store.num_experts.append(data_E4P.shape[0])
-            store._host.append(data_E4P)
-            store._host_steps.append(steps_E)
-            for e in range(data_E4P.shape[0]):
-                store._steps[(layer, e)] = steps_E[e]
-                store.versions[(layer, e)] = 0
+            store._register(layout, data_E4P, steps_E)
         return store
+
+    def _register(self, layout: ExpertLayout, data_E4P: torch.Tensor | None,
+                  steps_E: torch.Tensor) -> None:
+        """Append a layer of len(steps_E) experts (data_E4P: its host-tier records, None on
+        disk): layout, step counts, versions."""
+        layer = len(self.layouts)
+        self.layouts.append(layout)
+        self.num_experts.append(steps_E.numel())
+        if data_E4P is not None:
+            self._host.append(data_E4P)
+        self._host_steps.append(steps_E)
+        for e in range(steps_E.numel()):
+            self._steps[(layer, e)] = steps_E[e]  # a 0-dim view: AdamW increments it in place
+            self.versions[(layer, e)] = 0
 
     def keys(self) -> Iterable[Key]:
         for layer, n in enumerate(self.num_experts):
