@@ -322,23 +322,22 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
     their experts in memory (grouped experts only; `expert` is the global id, also for
     expert-parallel layers)."""
     config = config or OffloadConfig()
-    planned = None
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if config.tier == "auto" and any(_expert_shard(m) is not None for m in moes):
-        raise ValueError("tier='auto' plans one process's experts; this model is "
-                         "expert-parallel (ExpertShard layers): give tier='host' or 'disk' "
-                         "and a device budget per rank")
+    if not moes:
+        raise ValueError("offload_moe found no MoE layer in the model; build it with "
+                         "moescale.MoE layers (or convert its FFNs first)")
+    shards = [_expert_shard(m) for m in moes]
+    planned = None
     if config.tier == "auto":
+        if any(s is not None for s in shards):
+            raise ValueError("tier='auto' plans one process's experts; this model is "
+                             "expert-parallel (ExpertShard layers): give tier='host' or "
+                             "'disk' and a device budget per rank")
         config, estimates, pick = resolve_auto(model, config)
         planned = (estimates, pick)
     engine = OffloadEngine(config)
     engine.plan = planned  # (the planner's estimates, its pick) when tier was 'auto'
-
-    if not moes:
-        raise ValueError("offload_moe found no MoE layer in the model; build it with "
-                         "moescale.MoE layers (or convert its FFNs first)")
-    for moe in moes:
-        shard = _expert_shard(moe)
+    for moe, shard in zip(moes, shards):
         experts = moe.experts if shard is None else shard.local
         init = expert_init
         if shard is not None and expert_init is not None:   # local expert l = global start + l
