@@ -32,22 +32,8 @@ from pathlib import Path
 
 import torch
 
-from moescale.atomic import atomic_write_json
+from moescale.bench.measure import hardware_tag, write_json
 from moescale.train.config import load_config
-
-
-def _hardware_tag() -> str:
-    if torch.cuda.is_available():
-        return "cuda-" + torch.cuda.get_device_name(0).lower().replace(" ", "-")
-    try:
-        isa = torch.backends.cpu.get_cpu_capability().lower()
-    except Exception:  # noqa: BLE001 - older builds lack the query; the tag is only a name
-        isa = "cpu"
-    return f"cpu-{os.cpu_count()}c-{isa}"
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    atomic_write_json(path, payload)
 
 
 def _overrides(args, run_dir: str, dense: bool, d_ff: int, top_k: int) -> dict:
@@ -140,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     moe, dense = result["moe"], result["dense"]
     payload = {
-        "benchmark": "quality", "hardware": _hardware_tag(), "torch": torch.__version__,
+        "benchmark": "quality", "hardware": hardware_tag(torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")), "torch": torch.__version__,
         "python": platform.python_version(), "threads": args.threads,
         "seconds_per_model": args.seconds, "size": args.size, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "seed": args.seed, "moe": moe, "dense": dense,
@@ -148,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     path = Path(args.out) / f"quality_{payload['hardware']}.json"
-    _write_json(path, payload)
+    write_json(path, payload)
     for name, r in (("moe", moe), ("dense", dense)):
         print(f"{name:<6} val loss {r['val_loss']:.4f}  train loss {r['train_loss_last20']:.4f}  "
               f"{r['steps']} steps in {r['train_time_s']:.1f} s  "
