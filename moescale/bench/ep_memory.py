@@ -37,8 +37,8 @@ def _rank_body(rank: int, world: int, args: dict) -> list[dict]:
     from moescale.parallel.cost_model import LayerShape, memory_bytes
     from moescale.parallel.expert_parallel import shard_moe
     from moescale.parallel.groups import ParallelConfig, build_groups
-    from moescale.parallel.pipeline import (PipelinedAllToAll, PipelinedExpertParallelDispatcher,
-                                            PipelineSpec, chunk_layouts)
+    from moescale.parallel.pipeline import (PipelinedExpertParallelDispatcher,
+                                            run_grouped_pipeline)
 
     groups = build_groups(ParallelConfig(backend="gloo", timeout_s=60))
     torch.manual_seed(0)
@@ -62,13 +62,9 @@ def _rank_body(rank: int, world: int, args: dict) -> list[dict]:
                 route = moe.router(x)
                 plan = build_plan(route.scores_TK, route.expert_ids_TK, args["experts"])
             send, recv, _ = disp._exchange(plan, x.device)
-            layouts = chunk_layouts(send, recv, plan.token_idx_R, chunks, groups.ep_rank)
-            spec = PipelineSpec(layouts=layouts, groups=groups, strategy=strategy,
-                                num_rows=plan.num_rows, grad_scale=1.0 / groups.ep_size)
-            w = moe.experts.local.weights()
+            spec = disp.spec(plan, send, recv, chunks, strategy)
             with SavedBytes(params + [xin]) as probe:
-                out = PipelinedAllToAll.apply(xin, spec, moe.experts.local.act, w.w1_EDF,
-                                              w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+                out = run_grouped_pipeline(xin, spec, moe.experts.local)
             out.square().mean().backward()
             received = sum(sum(r) for r in recv)
             formula = memory_bytes(LayerShape(rows=received, d_model=args["d_model"],

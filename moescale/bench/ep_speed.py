@@ -49,8 +49,8 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
     from moescale.parallel.all_to_all import start_all_to_all
     from moescale.parallel.expert_parallel import expert_major_order, shard_moe
     from moescale.parallel.groups import ParallelConfig, build_groups
-    from moescale.parallel.pipeline import (PipelinedAllToAll, PipelinedExpertParallelDispatcher,
-                                            PipelineSpec, chunk_layouts)
+    from moescale.parallel.pipeline import (PipelinedExpertParallelDispatcher,
+                                            run_grouped_pipeline)
     from moescale.parallel.tuner import TunerConfig, bucket_of
 
     groups = build_groups(ParallelConfig(backend="gloo", timeout_s=120))
@@ -92,13 +92,9 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
 
     def pipe(chunks):
         def run():
-            layouts = chunk_layouts(send, recv, plan.token_idx_R, chunks, groups.ep_rank)
-            spec = PipelineSpec(layouts=layouts, groups=groups, strategy="none",
-                                num_rows=plan.num_rows, grad_scale=1.0 / world)
-            w = local.weights()
+            spec = probe.dispatcher.spec(plan, send, recv, chunks, "none")
             xin = x.clone().requires_grad_(True)
-            PipelinedAllToAll.apply(xin, spec, local.act, w.w1_EDF, w.w2_EFD, w.w3_EDF,
-                                    w.b1_EF, w.b2_ED).square().mean().backward()
+            run_grouped_pipeline(xin, spec, local).square().mean().backward()
         return run
 
     timed = {name: (lambda m=moe: step(m)) for name, moe in items.items()}

@@ -364,6 +364,14 @@ class PipelinedAllToAll(torch.autograd.Function):
         return (dx_TD, None, None, *out_w)
 
 
+def run_grouped_pipeline(x_TD: torch.Tensor, spec: PipelineSpec,
+                         local: GroupedExperts) -> torch.Tensor:
+    """`PipelinedAllToAll` over the local grouped experts: y_RD in the plan's row order."""
+    w = local.weights(x_TD.dtype)
+    return PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF, w.w2_EFD,
+                                   w.w3_EDF, w.b1_EF, w.b2_ED)
+
+
 def _add_rows(dx_TD, token_idx, rows_RD, num_tokens):
     if dx_TD is None:
         dx_TD = rows_RD.new_zeros(num_tokens, rows_RD.shape[1])
@@ -412,6 +420,13 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
                            ep_size=self.groups.ep_size)
         return choose_strategy(shape, self.rates, chunks, self.memory_limit_bytes)[0]
 
+    def spec(self, plan: RoutingPlan, send_WL, recv_WL, chunks: int,
+             strategy: str) -> PipelineSpec:
+        """The chunk layouts and settings of one call (send/recv counts from `_exchange`)."""
+        layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, chunks, self.groups.ep_rank)
+        return PipelineSpec(layouts=layouts, groups=self.groups, strategy=strategy,
+                            num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
+
     def _exchange(self, plan: RoutingPlan, device):
         """Counts exchange carrying [counts of the peer's experts..., my rows, my last time]."""
         if len(plan.counts) != self.num_experts:
@@ -453,18 +468,13 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         bucket = bucket_of(max_rows)
         chunks = self.tuner.choose(bucket) if self.tuner is not None else self.num_chunks
         self.history.append((bucket, chunks))
-        layouts = chunk_layouts(send_WL, recv_WL, plan.token_idx_R, chunks,
-                                self.groups.ep_rank)
         x_TD = x_TD.to(compute_dtype(x_TD))
         strategy = self.strategy_for(max_rows, chunks, local, x_TD)
-        spec = PipelineSpec(layouts=layouts, groups=self.groups, strategy=strategy,
-                            num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
+        spec = self.spec(plan, send_WL, recv_WL, chunks, strategy)
         spec.stats.update(bucket=bucket, chunks=chunks, strategy=strategy)
         self.last_stats = spec.stats
         if grouped:
-            w = local.weights(x_TD.dtype)
-            y_RD = PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF,
-                                           w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+            y_RD = run_grouped_pipeline(x_TD, spec, local)
         else:
             from moescale.parallel.pipeline_modules import PipelinedModuleAllToAll
             y_RD = PipelinedModuleAllToAll.apply(x_TD.contiguous(), spec, local,
