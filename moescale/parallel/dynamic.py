@@ -51,6 +51,7 @@ from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.experts import compute_dtype
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, collective_errors
+from moescale.parallel.expert_parallel import inverse_permutation, segments_index
 from moescale.parallel.placement import Placement, PlacementConfig, plan_placement
 
 
@@ -134,24 +135,6 @@ class RowLayout:
     split_experts: list[int]            # experts with shards on more than one device
 
 
-def _segments_index(segments: list[tuple[int, int]], total: int, device) -> torch.Tensor | None:
-    """Index gathering consecutive (start, length) segments; None when it is the identity."""
-    shift_B, n_B, dst, identity = [], [], 0, True
-    for start, n in segments:
-        if n == 0:
-            continue
-        identity &= start == dst
-        shift_B.append(start - dst)
-        n_B.append(n)
-        dst += n
-    assert dst == total, (dst, total)
-    if identity:
-        return None
-    shift_S = torch.repeat_interleave(torch.tensor(shift_B, device=device),
-                                      torch.tensor(n_B, device=device), output_size=total)
-    return torch.arange(total, device=device) + shift_S
-
-
 def row_layout(counts_WE: list[list[int]], placement: Placement, rank: int,
                device=None) -> RowLayout:
     """The permutations and splits for `rank` under `placement` (same answer on every rank)."""
@@ -213,16 +196,10 @@ def row_layout(counts_WE: list[list[int]], placement: Placement, rank: int,
             owners_E[e] = d    # the device of the shard holding the expert's first rows
     split = [e for e in range(E) if len(devices_of[e]) > 1]
     return RowLayout(
-        send_perm_R=_segments_index(send_segments, sum(send_splits), device),
+        send_perm_R=segments_index(send_segments, sum(send_splits), device),
         send_splits=send_splits, recv_splits=recv_splits,
-        expert_perm_S=_segments_index(local_segments, sum(recv_splits), device),
+        expert_perm_S=segments_index(local_segments, sum(recv_splits), device),
         local_counts_E=local_counts_E, owners_E=owners_E, split_experts=split)
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
 
 
 def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -324,11 +301,11 @@ class DynamicPlacementDispatcher:
                                              lay.split_experts, group)
         else:
             y_local = experts.forward_rows(x_local, lay.local_counts_E)
-        inv_local = None if lay.expert_perm_S is None else _inverse(lay.expert_perm_S)
+        inv_local = None if lay.expert_perm_S is None else inverse_permutation(lay.expert_perm_S)
         y_SD = _take(y_local, inv_local)
         y_back = all_to_all_rows(y_SD, lay.recv_splits, lay.send_splits, group,
                                  grad_scale=1.0 / W)
-        inv_send = None if lay.send_perm_R is None else _inverse(lay.send_perm_R)
+        inv_send = None if lay.send_perm_R is None else inverse_permutation(lay.send_perm_R)
         return combine_rows(_take(y_back, inv_send), plan)
 
     def reduce_sum(self, stats: torch.Tensor) -> torch.Tensor:

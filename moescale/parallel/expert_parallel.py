@@ -98,6 +98,25 @@ class ExpertShard(nn.Module):
         return f"num_experts={self.num_experts}, holds={self.expert_ids}"
 
 
+def segments_index(segments: list[tuple[int, int]], total: int, device) -> torch.Tensor | None:
+    """Index gathering consecutive (start, length) segments of a `total`-row tensor, in the
+    order given (out = x[index]); None when it is the identity."""
+    shift_B, n_B, dst, identity = [], [], 0, True
+    for start, n in segments:
+        if n == 0:
+            continue
+        identity &= start == dst
+        shift_B.append(start - dst)
+        n_B.append(n)
+        dst += n
+    assert dst == total, (dst, total)
+    if identity:
+        return None
+    shift_S = torch.repeat_interleave(torch.tensor(shift_B, device=device),
+                                      torch.tensor(n_B, device=device), output_size=total)
+    return torch.arange(total, device=device) + shift_S
+
+
 def expert_major_order(recv_counts_WL: list[list[int]], device) -> tuple[torch.Tensor | None,
                                                                          list[int]]:
     """Index that reorders rows from (source, expert)-major to (expert, source)-major.
@@ -115,16 +134,9 @@ def expert_major_order(recv_counts_WL: list[list[int]], device) -> tuple[torch.T
         for l in range(num_local):
             src_start[s, l] = offset
             offset += recv_counts_WL[s][l]
-    shift_B, n_B, dst = [], [], 0
-    for l in range(num_local):
-        for s in range(num_src):
-            n = recv_counts_WL[s][l]
-            shift_B.append(src_start[s, l] - dst)
-            n_B.append(n)
-            dst += n
-    shift_S = torch.repeat_interleave(torch.tensor(shift_B, device=device),
-                                      torch.tensor(n_B, device=device), output_size=offset)
-    return torch.arange(offset, device=device) + shift_S, local_counts
+    segments = [(src_start[s, l], recv_counts_WL[s][l])
+                for l in range(num_local) for s in range(num_src)]
+    return segments_index(segments, offset, device), local_counts
 
 
 def inverse_permutation(perm_S: torch.Tensor) -> torch.Tensor:
