@@ -13,12 +13,11 @@ The format (version 1):
   them under these names when saving: `merge_expert_shards` assembles per-rank slices and
   `slice_experts` cuts the rows a rank owns when loading. `ModuleExperts` keep their own
   per-expert names (`<moe>.experts.experts.<e>.<param>`).
-- experts kept outside the module tree: `consolidated_state_dict(model)` asks every submodule
-  with a `consolidated_expert_state()` method (returning names relative to that submodule,
-  in the layout above) and, failing that, reads offloaded containers (`offload_moe`) through
-  their engine's public `expert_state(layer, e)` (fp32 masters). Loading goes into a model
-  before it is offloaded (build, `load_checkpoint`, then `offload_moe`). Dtypes are kept (fp32 masters stay
-  fp32). Tensors that share storage (tied embeddings) are written once.
+- experts kept outside the module tree: `consolidated_state_dict(model)` reads offloaded
+  containers (`offload_moe`) through their engine's public `expert_state(layer, e)` (fp32
+  masters), under the names above. Loading goes into a model before it is offloaded (build,
+  `load_checkpoint`, then `offload_moe`). Dtypes are kept (fp32 masters stay fp32). Tensors
+  that share storage (tied embeddings) are written once.
 - header metadata (safetensors' str -> str map): `format` = "moescale-consolidated",
   `version` = "1", `expert_keys` (JSON list of the keys whose dim 0 is the expert index),
   `aliases` (JSON {alias: stored key} for shared tensors) and `user` (JSON of the caller's
@@ -56,15 +55,18 @@ def expert_keys(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> list[
     return [k for k in keys if k.endswith(EXPERT_SUFFIXES)]
 
 
+def _is_external(module: nn.Module) -> bool:
+    """Whether the module is an offloaded expert container (its experts live in an engine)."""
+    return getattr(module, "layer_index", None) is not None and \
+        callable(getattr(getattr(module, "engine", None), "expert_state", None))
+
+
 def _external_experts(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """The experts a container keeps outside its parameters (names relative to it), or None."""
-    method = getattr(module, "consolidated_expert_state", None)
-    if callable(method):
-        return method()
-    engine, layer = getattr(module, "engine", None), getattr(module, "layer_index", None)
-    if layer is None or not callable(getattr(engine, "expert_state", None)):
+    if not _is_external(module):
         return None
-    per_expert = [engine.expert_state(layer, e) for e in range(module.num_experts)]
+    per_expert = [module.engine.expert_state(module.layer_index, e)
+                  for e in range(module.num_experts)]
     if hasattr(module, "glu"):    # offloaded GroupedExperts: stack under the same names
         return {name: torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
     return {f"experts.{e}.{name}": t for e, p in enumerate(per_expert) for name, t in p.items()}
@@ -147,12 +149,6 @@ def read_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
     for alias, key in json.loads(header.get("aliases", "{}")).items():
         state[alias] = state[key]
     return state, json.loads(header.get("user", "{}"))
-
-
-def _is_external(module: nn.Module) -> bool:
-    return callable(getattr(module, "consolidated_expert_state", None)) or (
-        getattr(module, "layer_index", None) is not None
-        and callable(getattr(getattr(module, "engine", None), "expert_state", None)))
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, *, strict: bool = True,
