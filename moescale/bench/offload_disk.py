@@ -149,6 +149,7 @@ def _child(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.child is not None:
         Path(args.child).write_text(json.dumps(_child(args)))
@@ -165,12 +166,9 @@ def main(argv=None) -> int:
     print(f"expert state {state / GIB:.2f} GiB on the disk tier under {args.dir}, host cache "
           f"{args.host_cache_gb} GiB; child process starting", flush=True)
     result_path = os.path.join(args.dir, "child-result.json")
-    cmd = [sys.executable, "-m", "moescale.bench.offload_disk", "--child", result_path,
-           "--layers", str(args.layers), "--d-model", str(args.d_model), "--d-ff",
-           str(args.d_ff), "--experts", str(args.experts), "--top-k", str(args.top_k),
-           "--tokens", str(args.tokens), "--host-cache-gb", str(args.host_cache_gb),
-           "--device-budget-experts", str(args.device_budget_experts), "--steps",
-           str(args.steps), "--dir", args.dir]
+    # the child parses the same options; the later --dir (the chosen one) wins
+    cmd = [sys.executable, "-m", "moescale.bench.offload_disk", *argv, "--dir", args.dir,
+           "--child", result_path]
     try:
         subprocess.run(cmd, check=True)
         res = json.loads(Path(result_path).read_text())
