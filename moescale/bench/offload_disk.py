@@ -96,11 +96,11 @@ def _compute_estimate(args) -> float:
 
 def _child(args) -> dict:
     from moescale.offload import OffloadConfig, offload_moe
-    from moescale.offload.planner import measure_rates
+    from moescale.offload.planner import measure_host_adam
 
     read_bw, write_bw = _disk_bandwidth(args.dir)
     compute_s = _compute_estimate(args)
-    adam_rate = measure_rates(args.dir, size_mb=16).adam_params_per_s
+    adam_rate = measure_host_adam()
     torch.manual_seed(0)
     with torch.device("meta"):  # the experts never exist in RAM
         model = MoEStack(args.layers, args.d_model, args.d_ff, args.experts, args.top_k)

@@ -214,6 +214,19 @@ def largest_experts(m: ModelSpec, b: Budgets, r: Rates, mode: str, limit: int = 
     return lo
 
 
+def measure_host_adam() -> float:
+    """Host AdamW rate (parameters per second) of this machine: one fused step of 4M."""
+    p, g = torch.randn(1 << 22), torch.randn(1 << 22)
+    m1, m2, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())
+    from torch.optim.adamw import adamw
+    kw = dict(foreach=False, fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
+              weight_decay=0.01, eps=1e-8, maximize=False)
+    adamw([p], [g], [m1], [m2], [], [step], **kw)
+    start = time.perf_counter()
+    adamw([p], [g], [m1], [m2], [], [step], **kw)
+    return p.numel() / (time.perf_counter() - start)
+
+
 def measure_rates(disk_dir: str | None = None, size_mb: int = 64) -> Rates:
     """Measure this machine: fp32 GEMM rate, memory copy bandwidth (the simulated device's
     link), host AdamW rate, and disk read/write bandwidth (fsynced writes; reads of a file just
@@ -232,15 +245,7 @@ def measure_rates(disk_dir: str | None = None, size_mb: int = 64) -> Rates:
     start = time.perf_counter()
     dst.copy_(src)
     copy_bw = src.numel() * 4 / (time.perf_counter() - start)
-    p, g = torch.randn(1 << 22), torch.randn(1 << 22)
-    m1, m2, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())
-    from torch.optim.adamw import adamw
-    kw = dict(foreach=False, fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
-              weight_decay=0.01, eps=1e-8, maximize=False)
-    adamw([p], [g], [m1], [m2], [], [step], **kw)
-    start = time.perf_counter()
-    adamw([p], [g], [m1], [m2], [], [step], **kw)
-    adam = p.numel() / (time.perf_counter() - start)
+    adam = measure_host_adam()
     with tempfile.TemporaryDirectory(dir=disk_dir) as d:
         path = os.path.join(d, "probe.bin")
         data = memoryview(src.numpy()).cast("B")
