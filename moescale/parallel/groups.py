@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moescale.parallel.cost_model import STRATEGY_NAMES
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -51,7 +53,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.chunks != "auto" and (not isinstance(self.chunks, int) or self.chunks < 1):
             raise ValueError(f"chunks={self.chunks!r} must be a positive integer or 'auto'")
-        if self.reuse not in ("none", "S1", "S2", "S3", "S4", "auto"):
+        if self.reuse not in (*STRATEGY_NAMES, "auto"):
             raise ValueError(f"reuse={self.reuse!r} is unknown; use none, S1, S2, S3, S4 or "
                              "auto")
         if self.ep_size is not None and (not isinstance(self.ep_size, int) or self.ep_size < 1):
