@@ -28,6 +28,11 @@ def _shards(model: nn.Module) -> dict[str, ExpertShard]:
     return {name: m for name, m in model.named_modules() if isinstance(m, ExpertShard)}
 
 
+def _owner(shards: dict[str, ExpertShard], key: str) -> str | None:
+    """The name of the ExpertShard whose local experts hold state key `key` (None: replicated)."""
+    return next((n for n in shards if key.startswith(n + ".local.")), None)
+
+
 def _full_key(shard_name: str, shard: ExpertShard, local_key: str) -> str:
     """`local_key` is relative to `shard.local`; returns the single-process model's key."""
     if isinstance(shard.local, GroupedExperts):
@@ -39,11 +44,8 @@ def _full_key(shard_name: str, shard: ExpertShard, local_key: str) -> str:
 def full_state_dict(model: nn.Module, groups: ParallelGroups) -> dict[str, torch.Tensor]:
     """The single-process model's state dict, assembled from the EP shards (on every rank)."""
     shards = _shards(model)
-    state = {}
-    for key, value in model.state_dict().items():
-        owner = next((n for n in shards if key.startswith(n + ".local.")), None)
-        if owner is None:
-            state[key] = value
+    state = {key: value for key, value in model.state_dict().items()
+             if _owner(shards, key) is None}
     for name, shard in shards.items():
         local = shard.local.state_dict()
         if isinstance(shard.local, GroupedExperts):     # same keys and shapes on every rank
@@ -73,7 +75,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor],
     shards = _shards(model)
     local_state = {}
     for key, value in model.state_dict().items():
-        owner = next((n for n in shards if key.startswith(n + ".local.")), None)
+        owner = _owner(shards, key)
         if owner is None:
             source_key = key
             source = state.get(source_key)
