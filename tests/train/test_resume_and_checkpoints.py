@@ -11,21 +11,16 @@ import torch
 
 from moescale.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
                                        load_latest, save_checkpoint)
-from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, small_corpus
+from train_helpers import small_corpus, tiny_run_config
 
 STEPS = 8
 COMPARED = ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_expert", "val_loss")
 
 
 def _config(corpus, run_dir, **extra):
-    overrides = dict(TINY, **{"data.path": str(corpus), "train.steps": str(STEPS),
-                              "train.checkpoint_interval": "4", "train.eval_interval": "4",
-                              "train.keep_last": "5", "train.run_dir": str(run_dir)})
-    overrides.update(extra)
-    return load_config(None, overrides)
+    return tiny_run_config(corpus, run_dir, steps=STEPS, every=4, keep_last=5, **extra)
 
 
 def _losses(run_dir):

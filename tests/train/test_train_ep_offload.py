@@ -32,7 +32,7 @@ from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, as_argv, small_corpus
+from train_helpers import TINY, as_argv, tiny_run_config
 
 pytestmark = pytest.mark.distributed
 
@@ -41,11 +41,7 @@ EP_OFFLOAD = {"parallel.ep_size": "2", "offload.device_budget_experts": "2"}
 
 
 def _config(corpus, run_dir, **extra):
-    overrides = dict(TINY, **{"data.path": str(corpus), "train.steps": str(STEPS),
-                              "train.eval_interval": "10", "train.checkpoint_interval": "10",
-                              "train.keep_last": "2", "train.run_dir": str(run_dir)})
-    overrides.update(extra)
-    return load_config(None, overrides)
+    return tiny_run_config(corpus, run_dir, steps=STEPS, every=10, keep_last=2, **extra)
 
 
 def _records(run_dir, after=0):
@@ -66,11 +62,6 @@ def _distributed(config, run_dir, **kw):
     code, summary = train_distributed(config, run_dir, 2, quiet=True, deadline_s=100, **kw)
     assert code == 0
     return summary
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return small_corpus(tmp_path_factory.mktemp("corpus") / "c")
 
 
 @pytest.fixture(scope="module")

@@ -11,29 +11,19 @@ import json
 import pytest
 
 from moescale.train.checkpoint import list_checkpoints
-from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, small_corpus
+from train_helpers import tiny_run_config
 
 STEPS = 8
 
 
 def _config(corpus, run_dir, **extra):
-    overrides = dict(TINY, **{"data.path": str(corpus), "train.steps": str(STEPS),
-                              "train.checkpoint_interval": "4", "train.eval_interval": "4",
-                              "train.keep_last": "1", "train.run_dir": str(run_dir)})
-    overrides.update(extra)
-    return load_config(None, overrides)
+    return tiny_run_config(corpus, run_dir, steps=STEPS, every=4, keep_last=1, **extra)
 
 
 def _records(run_dir):
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] in ("train", "val")]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return small_corpus(tmp_path_factory.mktemp("corpus") / "c")
 
 
 @pytest.fixture(scope="module")

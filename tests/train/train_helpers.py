@@ -1,10 +1,12 @@
-"""Shared helpers for the training tests: a small real text corpus and tiny-model overrides."""
+"""Shared helpers for the training tests: a small real text corpus, tiny-model overrides and
+a tiny run's config."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from moescale.train.config import RunConfig, load_config
 from moescale.train.data import stdlib_files
 
 TINY = {"model.n_layers": "2", "model.d_model": "32", "model.n_heads": "2", "model.d_ff": "64",
@@ -21,6 +23,18 @@ def small_corpus(folder: Path, num_files: int = 24) -> Path:
     for rel in picked:
         (folder / rel).write_bytes((root / rel).read_bytes()[:20000])
     return folder
+
+
+def tiny_run_config(corpus: Path, run_dir: Path, *, steps: int, every: int, keep_last: int,
+                    **extra: str) -> RunConfig:
+    """TINY on `corpus` for `steps` steps, evaluating and checkpointing every `every` steps
+    (keeping `keep_last`) into `run_dir`; `extra`: further overrides."""
+    overrides = dict(TINY, **{"data.path": str(corpus), "train.steps": str(steps),
+                              "train.checkpoint_interval": str(every),
+                              "train.eval_interval": str(every),
+                              "train.keep_last": str(keep_last), "train.run_dir": str(run_dir)})
+    overrides.update(extra)
+    return load_config(None, overrides)
 
 
 def as_argv(overrides: dict[str, str]) -> list[str]:
