@@ -188,12 +188,9 @@ class SharedStoreExperts(nn.Module):
 
     def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
         """Expert e by plain ops, no gradient (for checks)."""
-        w = self.weights()
         with torch.no_grad():
             y, _, _ = ffn_forward(x_ND.float().contiguous(), (x_ND.shape[0],),
-                                  FFNWeights(*(None if t is None else t[e:e + 1] for t in
-                                               (w.w1_EDF, w.w2_EFD, w.w3_EDF, w.b1_EF,
-                                                w.b2_ED))), self.act)
+                                  self.weights().take(torch.tensor([e])), self.act)
         return y
 
     def master_state(self, e: int) -> dict[str, torch.Tensor]:
