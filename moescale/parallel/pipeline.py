@@ -55,24 +55,9 @@ from moescale.parallel.all_to_all import exchange_counts, start_all_to_all
 from moescale.parallel.cost_model import (STRATEGIES, LayerShape, Rates, choose_strategy,
                                           measure_rates)
 from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, expert_major_order,
-                                               inverse_permutation)
+                                               inverse_permutation, segments_index)
 from moescale.parallel.groups import ParallelGroups
 from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
-
-
-def ranges_index(starts: list[int], lengths: list[int], device) -> torch.Tensor:
-    """Concatenation of arange(start, start + length) over the ranges, as one index tensor."""
-    total = sum(lengths)
-    shifts, done = [], 0
-    for s, n in zip(starts, lengths):
-        shifts.append(s - done)
-        done += n
-    if not lengths:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    shift = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int64, device=device),
-                                    torch.tensor(lengths, dtype=torch.int64, device=device),
-                                    output_size=total)
-    return torch.arange(total, device=device) + shift
 
 
 def _cut(n: int, k: int, num_chunks: int, rotation: int) -> tuple[int, int]:
@@ -127,7 +112,9 @@ def chunk_layouts(send_WL: list[list[int]], recv_WL: list[list[int]],
             send_splits.append(sent)
         recv_piece_WL = [[_piece(recv_WL[s][l], k, num_chunks, s * L + l) for l in range(L)]
                          for s in range(W)]
-        row_idx = ranges_index(starts, lengths, device)
+        row_idx = segments_index(list(zip(starts, lengths)), sum(lengths), device)
+        if row_idx is None:
+            row_idx = torch.arange(sum(lengths), device=device)
         perm, local_counts = expert_major_order(recv_piece_WL, device)
         layouts.append(ChunkLayout(
             send_splits=send_splits, recv_splits=[sum(r) for r in recv_piece_WL],

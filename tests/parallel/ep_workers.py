@@ -231,7 +231,7 @@ def _check_schedule(rank, groups, chunks=4):
     """The pipeline issues chunk k+1's exchange before chunk k's experts run (both ways),
     one exchange per chunk and direction, and the chunks cover the rows without padding."""
     from moescale.dispatch.plan import build_plan
-    from moescale.parallel.pipeline import PipelinedAllToAll, PipelineSpec, chunk_layouts
+    from moescale.parallel.pipeline import run_grouped_pipeline
 
     world = groups.ep_size
     case = dict(E=2 * world, top_k=2)
@@ -241,17 +241,15 @@ def _check_schedule(rank, groups, chunks=4):
         route = moe.router(x)
         plan = build_plan(route.scores_TK, route.expert_ids_TK, 2 * world)
     send, recv, _ = moe.dispatcher._exchange(plan, x.device)
-    layouts = chunk_layouts(send, recv, plan.token_idx_R, chunks, groups.ep_rank)
+    spec = moe.dispatcher.spec(plan, send, recv, chunks, "S4")
+    spec.trace = []
+    layouts = spec.layouts
     assert sum(sum(lay.send_splits) for lay in layouts) == plan.num_rows
     assert sum(lay.num_recv for lay in layouts) == sum(map(sum, recv))
     assert sorted(torch.cat([lay.row_idx for lay in layouts]).tolist()) == \
         list(range(plan.num_rows))
-    spec = PipelineSpec(layouts=layouts, groups=groups, strategy="S4", num_rows=plan.num_rows,
-                        grad_scale=1.0 / world, trace=[])
-    w = moe.experts.local.weights()
     xin = x.clone().requires_grad_(True)
-    PipelinedAllToAll.apply(xin, spec, moe.experts.local.act, w.w1_EDF, w.w2_EFD, w.w3_EDF,
-                            w.b1_EF, w.b2_ED).sum().backward()
+    run_grouped_pipeline(xin, spec, moe.experts.local).sum().backward()
     at = {event: i for i, event in enumerate(spec.trace)}
     for event in ("pipelined dispatch", "pipelined combine", "output grads",
                   "pipelined backward (re-dispatch)", "input grads"):
