@@ -65,10 +65,6 @@ def is_validation(relpath: str, val_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2.0**64 < val_fraction
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    atomic_write_bytes(path, data)
-
-
 def _read_files(root: Path, relpaths: list[str], val_fraction: float):
     train, val = [], []
     for rel in relpaths:
@@ -96,11 +92,11 @@ def builtin_corpus(cache_dir: str | Path, val_fraction: float) -> TokenData:
     train_path, val_path = cache / f"stdlib-{key}.train.bin", cache / f"stdlib-{key}.val.bin"
     if not (meta_path.is_file() and train_path.is_file() and val_path.is_file()):
         train, val = _read_files(root, relpaths, val_fraction)
-        _write_atomic(train_path, train)
-        _write_atomic(val_path, val)
+        atomic_write_bytes(train_path, train)
+        atomic_write_bytes(val_path, val)
         meta = {"root": str(root), "files": len(relpaths), "train_tokens": len(train),
                 "val_tokens": len(val), "val_fraction": val_fraction}
-        _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
+        atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
     meta = json.loads(meta_path.read_text())
     train_arr = np.memmap(train_path, dtype=np.uint8, mode="r")
     val_arr = np.memmap(val_path, dtype=np.uint8, mode="r")
