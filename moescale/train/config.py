@@ -38,6 +38,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 OFFLOAD_MODES = ("device-only", "auto", "pin", "host", "disk")
 STEP_MODES = ("deferred", "eager")
 ACTIVATION_POLICIES = ("keep", "recompute", "offload")
+RATES = ("measure", "a100")
 REUSE_STRATEGIES = ("none", "S1", "S2", "S3", "S4", "auto")
 PLACEMENTS = ("static", "dynamic")
 TOKEN_DTYPES = ("uint8", "uint16", "int32")
@@ -235,8 +236,8 @@ class OffloadSection:
         _need(self.activation_policy in ACTIVATION_POLICIES, "offload.activation_policy",
               self.activation_policy, f"choose one of {', '.join(ACTIVATION_POLICIES)}")
         _need(self.lookahead >= 0, "offload.lookahead", self.lookahead, "must be >= 0")
-        _need(self.rates in ("measure", "a100"), "offload.rates", self.rates,
-              "choose measure or a100")
+        _need(self.rates in RATES, "offload.rates", self.rates,
+              f"choose one of {', '.join(RATES)}")
 
 
 @dataclass(kw_only=True)
@@ -354,7 +355,7 @@ class RunConfig:
 CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTERS, "optim.schedule": SCHEDULES,
            "train.precision": PRECISIONS, "offload.mode": OFFLOAD_MODES,
            "offload.step_mode": STEP_MODES, "offload.activation_policy": ACTIVATION_POLICIES,
-           "offload.rates": ("measure", "a100"),
+           "offload.rates": RATES,
            "parallel.reuse": REUSE_STRATEGIES, "parallel.placement": PLACEMENTS,
            "data.token_dtype": TOKEN_DTYPES}
 
