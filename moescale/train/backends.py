@@ -367,14 +367,16 @@ class ExpertParallelBackend(LocalBackend):
         return float(clip_grad_norm_(model, max_norm if max_norm > 0 else math.inf,
                                      self.groups))
 
-    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op=None, group=None,
+                    what: str = "training-metrics all-reduce") -> torch.Tensor:
+        """`t` reduced (sum, or `op`) over `group` (None: the world), back on the CPU."""
         import torch.distributed as dist
 
         from moescale.parallel.all_to_all import collective_errors
 
         moved = t.to(self.device)
-        with collective_errors("training-metrics all-reduce", None):
-            dist.all_reduce(moved, op=op or dist.ReduceOp.SUM)
+        with collective_errors(what, group):
+            dist.all_reduce(moved, op=op or dist.ReduceOp.SUM, group=group)
         return moved.cpu()
 
     def mean(self, values: list[float]) -> list[float]:

@@ -212,13 +212,9 @@ class DynamicPlacementBackend(ExpertParallelBackend):
         """`values` reduced (max or sum) over the inter-node group."""
         import torch.distributed as dist
 
-        from moescale.parallel.all_to_all import collective_errors
-
-        t = torch.tensor(values, dtype=torch.float64)
-        with collective_errors("placement-statistics all-reduce", self.groups.dp_group):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                            group=self.groups.dp_group)
-        return t.tolist()
+        return self._all_reduce(torch.tensor(values, dtype=torch.float64),
+                                dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                                self.groups.dp_group, "placement-statistics all-reduce").tolist()
 
     # -- checkpoints: the single-process format ------------------------------------------
     def _slot(self, key: str):

@@ -82,14 +82,8 @@ class ExpertParallelOffloadBackend(ExpertParallelBackend):
         self.offload.begin_micro_batch(last)
 
     def _sum_over_ep(self, value: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        from moescale.parallel.all_to_all import collective_errors
-
-        moved = value.reshape(1).to(self.device)
-        with collective_errors("expert grad-norm all-reduce", self.groups.ep_group):
-            dist.all_reduce(moved, group=self.groups.ep_group)
-        return moved.cpu()[0]
+        return self._all_reduce(value.reshape(1), group=self.groups.ep_group,
+                                what="expert grad-norm all-reduce")[0]
 
     def clip(self, model, max_norm: float) -> float | None:
         from moescale.parallel.grad_sync import allreduce_gradients
