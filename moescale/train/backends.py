@@ -67,6 +67,13 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
+def check_rows(config: RunConfig, world: int) -> None:
+    """Each of the `world` ranks takes an equal slice of a batch's rows."""
+    if config.train.batch_size % world:
+        raise ValueError(f"train.batch_size={config.train.batch_size} is not divisible by "
+                         f"the {world} ranks; each rank takes an equal slice of the rows")
+
+
 class LocalBackend:
     """One process, every expert resident on the device."""
 
@@ -322,9 +329,7 @@ class ExpertParallelBackend(LocalBackend):
                              f"processes, but {world} {'is' if world == 1 else 'are'} running; "
                              f"launch with `torchrun --nproc-per-node {pc.ep_size} -m moescale "
                              "train ...` (or moescale.train.backends.train_distributed)")
-        if config.train.batch_size % world:
-            raise ValueError(f"train.batch_size={config.train.batch_size} is not divisible by "
-                             f"the {world} ranks; each rank takes an equal slice of the rows")
+        check_rows(config, world)
         self.pconfig = ParallelConfig(ep_size=pc.ep_size, timeout_s=pc.timeout_s,
                                       chunks=pc.chunk_count(), reuse=pc.reuse)
         self.groups = init_distributed(self.pconfig)
@@ -338,11 +343,6 @@ class ExpertParallelBackend(LocalBackend):
         from moescale.parallel.expert_parallel import expert_parallel_model
         from moescale.parallel.setup import dispatcher_factory
 
-        experts = model.config.num_experts
-        if experts % self.groups.ep_size:
-            raise ValueError(f"parallel.ep_size={self.groups.ep_size} does not divide "
-                             f"model.num_experts={experts}; choose num_experts as a multiple "
-                             "of ep_size")
         expert_parallel_model(model, self.groups, dispatcher_factory(self.groups, self.pconfig))
 
     def attach(self, optimizer) -> None:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from moescale.train.backends import ExpertParallelBackend
+from moescale.train.backends import ExpertParallelBackend, check_rows
 from moescale.train.config import RunConfig
 
 STORE_ROWS = {"exp_avg": 2, "exp_avg_sq": 3}   # offload.store EXP_AVG, EXP_AVG_SQ
@@ -77,9 +77,7 @@ class DynamicPlacementBackend(ExpertParallelBackend):
             int(os.environ["WORLD_SIZE"])
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
         self.layout = node_layout(world, rank, config.parallel.node_size, os.environ)
-        if config.train.batch_size % world:
-            raise ValueError(f"train.batch_size={config.train.batch_size} is not divisible by "
-                             f"the {world} ranks; each rank takes an equal slice of the rows")
+        check_rows(config, world)
         if dist.is_initialized() and dist.get_backend() != "gloo":
             raise ValueError(f"parallel.placement='dynamic' computes experts on the host copy "
                              f"and needs the gloo backend; the process group uses "
@@ -340,9 +338,6 @@ class DynamicPlacementBackend(ExpertParallelBackend):
                 layer_index = self.expert_keys[pname][0]
                 for e in range(self.layers[layer_index].num_experts):
                     self._step_t(layer_index, e).fill_(float(value))
-
-    def after_save(self, ckpt_dir: Path) -> None:
-        pass
 
     # -- summary -----------------------------------------------------------------------
     def plan(self, device) -> tuple[str, str]:

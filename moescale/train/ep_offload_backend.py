@@ -49,9 +49,7 @@ class ExpertParallelOffloadBackend(ExpertParallelBackend):
                              f"set parallel.ep_size {self.world_size} (one shard per rank)")
         run_dir = Path(self.agree(str(run_dir)))      # rank 0's choice, as the Trainer's
         self.offload = OffloadBackend(config, run_dir)
-        base = Path(config.offload.disk_dir) if config.offload.disk_dir else \
-            run_dir / "expert-store"
-        self.offload.disk_dir = base / f"rank{self.rank}"
+        self.offload.disk_dir = self.offload.disk_dir / f"rank{self.rank}"
         if config.offload.mode == "disk":
             self.offload.disk_dir.mkdir(parents=True, exist_ok=True)
         self._first_expert = self._total_experts = 0
@@ -126,10 +124,8 @@ class ExpertParallelOffloadBackend(ExpertParallelBackend):
         return data_E4P, steps_E
 
     def model_state(self, model):
-        from moescale.parallel.state import full_state_dict
-
         self.engine.synchronize()
-        state = full_state_dict(model, self.groups)       # dense entries
+        state = super().model_state(model)       # dense entries
         gathered = [self._gather_layer(layer) for layer in range(len(self.engine.layers))]
         if not self.writer:
             return state
