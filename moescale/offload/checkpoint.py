@@ -37,13 +37,8 @@ LATEST = "expert-store.LATEST"
 
 def save_store(store: ExpertStore, directory: str, tag: str) -> str:
     """Write the whole store under directory (atomically); returns the store directory."""
-    def read(layer: int, e: int) -> tuple[torch.Tensor, float]:
-        rec = store.acquire((layer, e))
-        try:
-            return rec.data_4P.clone(), float(rec.step_t)
-        finally:
-            store.release((layer, e))
-    return save_records(directory, tag, store.layouts, store.num_experts, read)
+    return save_records(directory, tag, store.layouts, store.num_experts,
+                        lambda layer, e: store.read_record((layer, e)))
 
 
 def save_records(directory: str, tag: str, layouts, num_experts: list[int], read) -> str:

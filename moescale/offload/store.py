@@ -285,6 +285,14 @@ class ExpertStore:
         rec = self.acquire(key)
         return rec.master_P, lambda: self.release(key)
 
+    def read_record(self, key: Key) -> tuple[torch.Tensor, float]:
+        """A copy of one expert's record [4, P] (master, grad, moments) and its step count."""
+        rec = self.acquire(key)
+        try:
+            return rec.data_4P.clone(), float(rec.step_t)
+        finally:
+            self.release(key)
+
     def release(self, key: Key, dirty: bool = False) -> None:
         if self.config.tier == "host":
             return

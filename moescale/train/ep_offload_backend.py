@@ -103,14 +103,8 @@ class ExpertParallelOffloadBackend(ExpertParallelBackend):
         from moescale.parallel.all_to_all import collective_errors
 
         store = self.engine.store
-        data, steps = [], []
-        for e in range(store.num_experts[layer]):
-            rec = store.acquire((layer, e))
-            try:
-                data.append(rec.data_4P.clone())
-                steps.append(float(rec.step_t))
-            finally:
-                store.release((layer, e))
+        data, steps = zip(*(store.read_record((layer, e))
+                            for e in range(store.num_experts[layer])))
         mine = torch.cat([torch.stack(data).reshape(-1), torch.tensor(steps)]).to(self.device)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.writer \
             else None
