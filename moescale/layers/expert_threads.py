@@ -5,14 +5,21 @@ intra-op thread team, and badly so when the cores are shared with other processe
 of the team is descheduled and the others wait at every GEMM. Measured on a busy 2-core VM:
 64 experts x 128-row GEMMs took 3.8x as long as one dense GEMM of the same size with the
 2-thread team, 1.4x with two workers of one thread each taking whole experts. This module
-gives each of N worker threads (N = torch's intra-op thread count) whole experts, balanced by
-rows (largest first), so the only synchronisation left is the final join.
+gives each of N worker threads (N = torch's intra-op thread count, at most the usable CPUs)
+whole experts, balanced by rows (largest first), so the only synchronisation left is the final
+join.
 
 Thread-count mechanics: `torch.set_num_threads(1)` in a worker sets that thread's OpenMP and MKL
 thread counts (thread-local) and torch's process-wide default for threads created later; the
 caller restores the latter as soon as every worker has started, so its own settings and those
-of other threads are unchanged. Workers run under `torch.no_grad()` (grad mode is per thread)
-and with autocast off (its state is per thread too).
+of other threads are unchanged. A new thread initialises its OpenMP count lazily, from the
+process-wide default, at its first parallel region (or `torch.get_num_threads()`); a worker
+triggers that initialisation before it sets 1, or the caller's restore would win and every
+worker would run the caller's whole thread team (2 workers x 2 OpenMP threads on 2 cores, and a
+new OpenMP team for every worker of every call). So each call runs exactly `workers` compute
+threads, never more than the CPUs this process may use (`usable_cpus`), and creates no OpenMP
+team. Workers run under `torch.no_grad()` (grad mode is per thread) and with autocast off (its
+state is per thread too).
 
 Used only on CPU tensors, with more than one intra-op thread, and with at least two non-empty
 experts per worker; never nested (inside a worker the intra-op count is 1). Accelerators run
@@ -21,17 +28,25 @@ the serial loop (their kernels queue asynchronously). This file knows nothing ab
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Sequence
 
 import torch
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; os.cpu_count() elsewhere)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def num_expert_workers(device: torch.device, counts: Sequence[int]) -> int:
     """How many worker threads to use for these per-expert row counts (0: run serially)."""
     if device.type != "cpu":
         return 0
-    threads = torch.get_num_threads()
+    threads = min(torch.get_num_threads(), usable_cpus())
     if threads < 2:
         return 0
     if sum(1 for n in counts if n) < 2 * threads:
@@ -59,6 +74,7 @@ def run_on_workers(tasks: Sequence[Callable[[], None]]) -> None:
 
     def body(task: Callable[[], None]) -> None:
         try:
+            torch.get_num_threads()   # this thread's lazy OpenMP init happens now, not later
             torch.set_num_threads(1)
         finally:
             started.wait()
