@@ -18,7 +18,8 @@ from torch import nn
 
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.activations import Activation
-from moescale.layers.grouped_ffn import FFNWeights, GroupedFFNRouted, GroupedFFNRows
+from moescale.layers.grouped_ffn import FFNWeights
+from moescale.layers.grouped_ffn_autograd import GroupedFFNRouted, GroupedFFNRows
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -10,12 +10,9 @@ full-size gradient, and no R x F temporary is ever allocated (fresh large alloca
 page faults that can rival the GEMMs on a CPU).
 
 Saved for backward: the layer input and the pre-activation hidden(s); the activation is
-recomputed per chunk. `GroupedFFNRouted` also fuses gather, score weighting and combine (each
-chunk gathers its token rows with `index_select`; the weighted rows are summed back per token
-by gathering them through the inverse map `inv_JT`, which is several times faster on CPU than
-a scattering `index_add_` and deterministic), so it saves `x_TD` (T rows) instead of `x_RD`
-(T*K rows), never the expert output, and never materialises `x_RD`: the score gradient is
-<g_r, y_r> = <g_r W2^T, a_r> (+ <g_r, b2>), a row dot of tensors backward has anyway.
+recomputed per chunk. The autograd Functions that wire these kernels in (`GroupedFFNRows`, and
+`GroupedFFNRouted`, which fuses gather, score weighting and combine) live in
+grouped_ffn_autograd.py.
 
 Low precision on CPUs without native bf16/fp16 GEMMs (AVX2 machines run torch's bf16 GEMM
 ~150x slower than fp32) computes each GEMM in fp32 from the low-precision operands and rounds
@@ -175,7 +172,7 @@ def _run_chunks(counts, max_rows: int, device: torch.device,
     run_on_workers([task(set(g)) for g in balance_experts(counts, workers)])
 
 
-def _ffn_chunks(num_rows: int, counts, w: FFNWeights, act: Activation,
+def ffn_forward_blocks(num_rows: int, counts, w: FFNWeights, act: Activation,
                 x_rows: Callable, y_dest: Callable, y_done: Callable | None,
                 like: torch.Tensor):
     """Forward over chunks; x_rows(s, t) gives the chunk's input rows, y_dest(s, t, n) the
@@ -211,7 +208,7 @@ def ffn_forward(x_RD: torch.Tensor, counts, w: FFNWeights, act: Activation):
     """Returns (y_RD, h1_RF, h3_RF or None)."""
     y_RD = x_RD.new_empty(x_RD.shape[0], w.w2_EFD.shape[2])
     work = work_dtype(x_RD)
-    h1_RF, h3_RF = _ffn_chunks(x_RD.shape[0], counts, w, act,
+    h1_RF, h3_RF = ffn_forward_blocks(x_RD.shape[0], counts, w, act,
                                x_rows=lambda s, t: x_RD[s:t].to(work),
                                y_dest=lambda s, t, n: y_RD[s:t], y_done=None, like=x_RD)
     return y_RD, h1_RF, h3_RF
@@ -233,7 +230,7 @@ def _row_dot(a_NF: torch.Tensor, b_NF: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a_NF.unsqueeze(1), b_NF.unsqueeze(2)).view(-1)
 
 
-def _ffn_backward_chunks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
+def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
                          x_rows: Callable, gy_rows: Callable, dx_dest: Callable | None,
                          dx_done: Callable | None, scale_R, need_dw: bool):
     """Backward over chunks. gy_rows(s, t) gives dL/d(scaled y) rows (unscaled by the score);
@@ -312,7 +309,7 @@ def ffn_backward(gy_RD, x_RD, h1_RF, h3_RF, counts, w: FFNWeights, act: Activati
     """
     dx_RD = x_RD.new_empty(x_RD.shape) if need_dx else None
     work = work_dtype(x_RD)
-    gw, dscale_R = _ffn_backward_chunks(
+    gw, dscale_R = ffn_backward_blocks(
         counts, w, act, h1_RF, h3_RF, x_rows=lambda s, t: x_RD[s:t].to(work),
         gy_rows=lambda s, t: gy_RD[s:t].to(work),
         dx_dest=(lambda s, t, n: dx_RD[s:t]) if need_dx else None, dx_done=None,
@@ -320,117 +317,3 @@ def ffn_backward(gy_RD, x_RD, h1_RF, h3_RF, counts, w: FFNWeights, act: Activati
     if dscale_R is not None:
         dscale_R = dscale_R.to(scale_R.dtype)
     return dx_RD, gw, dscale_R
-
-
-def _weights_from(args) -> FFNWeights:
-    return FFNWeights(*args)
-
-
-def _grads_tuple(gw: FFNWeights, ctx_needs) -> tuple:
-    grads = (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
-    return tuple(g if need else None for g, need in zip(grads, ctx_needs))
-
-
-class GroupedFFNRows(torch.autograd.Function):
-    """y_RD = ffn_e(x_RD) on rows grouped by expert (the seam for all-to-all and offloading)."""
-
-    @staticmethod
-    def forward(ctx, x_RD, counts, act, w1, w2, w3, b1, b2):
-        w = FFNWeights(w1, w2, w3, b1, b2)
-        with torch.autocast(x_RD.device.type, enabled=False):
-            y_RD, h1_RF, h3_RF = ffn_forward(x_RD, counts, w, act)
-        ctx.counts, ctx.act = counts, act
-        ctx.save_for_backward(x_RD, h1_RF, h3_RF, w1, w2, w3, b1, b2)
-        return y_RD
-
-    @staticmethod
-    def backward(ctx, gy_RD):
-        x_RD, h1_RF, h3_RF, *wts = ctx.saved_tensors
-        w_needs = ctx.needs_input_grad[3:]
-        with torch.autocast(x_RD.device.type, enabled=False):
-            dx_RD, gw, _ = ffn_backward(gy_RD.contiguous(), x_RD, h1_RF, h3_RF, ctx.counts,
-                                        _weights_from(wts), ctx.act,
-                                        need_dx=ctx.needs_input_grad[0], need_dw=any(w_needs))
-        return (dx_RD, None, None) + _grads_tuple(gw, w_needs)
-
-
-def token_slots(token_idx_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """inv_JT[j, t]: the j-th row of token t, or R (a zero row) where t has fewer rows.
-
-    Combining rows by gathering them back per token is several times faster on CPU than
-    `index_add_` (a scatter), and deterministic everywhere.
-    """
-    num_rows = token_idx_R.shape[0]
-    per_T = torch.bincount(token_idx_R, minlength=num_tokens)
-    num_slots = int(per_T.max()) if num_rows else 0
-    order_R = torch.argsort(token_idx_R, stable=True)
-    tok_R = token_idx_R[order_R]
-    slot_R = torch.arange(num_rows, device=token_idx_R.device) - (per_T.cumsum(0) - per_T)[tok_R]
-    inv_JT = torch.full((num_slots, num_tokens), num_rows, dtype=torch.long,
-                        device=token_idx_R.device)
-    inv_JT[slot_R, tok_R] = order_R
-    return inv_JT
-
-
-def gather_sum(rows_XD: torch.Tensor, inv_JT: torch.Tensor) -> torch.Tensor:
-    """out_TD = sum_j rows_XD[inv_JT[j]] (rows_XD's last row is the zero row)."""
-    if inv_JT.shape[0] == 0:
-        return rows_XD.new_zeros(inv_JT.shape[1], rows_XD.shape[1])
-    out_TD = rows_XD.index_select(0, inv_JT[0])
-    for j in range(1, inv_JT.shape[0]):
-        out_TD += rows_XD.index_select(0, inv_JT[j])
-    return out_TD
-
-
-def _rows_with_zero(num_rows: int, width: int, like: torch.Tensor, dtype) -> torch.Tensor:
-    """A rows buffer with one extra zero row at the end (for tokens with fewer rows)."""
-    buf = like.new_empty(num_rows + 1, width, dtype=dtype)
-    buf[num_rows].zero_()
-    return buf
-
-
-class GroupedFFNRouted(torch.autograd.Function):
-    """y_TD = sum over rows r of token t: scores_r * ffn_e(x_TD[t]): gather, experts, combine."""
-
-    @staticmethod
-    def forward(ctx, x_TD, scores_R, token_idx_R, counts, act, w1, w2, w3, b1, b2):
-        w = FFNWeights(w1, w2, w3, b1, b2)
-        work = work_dtype(x_TD)
-        num_rows = token_idx_R.shape[0]
-        with torch.autocast(x_TD.device.type, enabled=False):
-            inv_JT = token_slots(token_idx_R, x_TD.shape[0])
-            y_XD = _rows_with_zero(num_rows, w2.shape[2], x_TD, work)
-
-            def y_done(s, t, y_ND):
-                y_ND.mul_(scores_R[s:t].to(work).unsqueeze(1))
-
-            h1_RF, h3_RF = _ffn_chunks(
-                num_rows, counts, w, act,
-                x_rows=lambda s, t: x_TD.index_select(0, token_idx_R[s:t]).to(work),
-                y_dest=lambda s, t, n: y_XD[s:t], y_done=y_done, like=x_TD)
-            y_TD = gather_sum(y_XD, inv_JT).to(x_TD.dtype)
-            del y_XD
-        ctx.counts, ctx.act = counts, act
-        ctx.save_for_backward(x_TD, scores_R, token_idx_R, inv_JT, h1_RF, h3_RF,
-                              w1, w2, w3, b1, b2)
-        return y_TD
-
-    @staticmethod
-    def backward(ctx, gy_TD):
-        x_TD, scores_R, token_idx_R, inv_JT, h1_RF, h3_RF, *wts = ctx.saved_tensors
-        w_needs = ctx.needs_input_grad[5:]
-        need_dx = ctx.needs_input_grad[0]
-        work = work_dtype(x_TD)
-        num_rows = token_idx_R.shape[0]
-        with torch.autocast(x_TD.device.type, enabled=False):
-            gy_TD = gy_TD.contiguous()
-            dx_XD = _rows_with_zero(num_rows, x_TD.shape[1], x_TD, work) if need_dx else None
-            gw, dscale_R = _ffn_backward_chunks(
-                ctx.counts, _weights_from(wts), ctx.act, h1_RF, h3_RF,
-                x_rows=lambda s, t: x_TD.index_select(0, token_idx_R[s:t]).to(work),
-                gy_rows=lambda s, t: gy_TD.index_select(0, token_idx_R[s:t]).to(work),
-                dx_dest=(lambda s, t, n: dx_XD[s:t]) if need_dx else None, dx_done=None,
-                scale_R=scores_R, need_dw=any(w_needs))
-            dx_TD = gather_sum(dx_XD, inv_JT).to(x_TD.dtype) if need_dx else None
-        dscale_R = dscale_R.to(scores_R.dtype) if ctx.needs_input_grad[1] else None
-        return (dx_TD, dscale_R, None, None, None) + _grads_tuple(gw, w_needs)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moescale.layers.activations import Activation
-from moescale.layers.grouped_ffn import GroupedFFNRouted, GroupedFFNRows
+from moescale.layers.grouped_ffn_autograd import GroupedFFNRouted, GroupedFFNRows
 
 E, D, F = 3, 4, 5
 COUNTS = (2, 0, 3)  # expert 1 gets no row
