@@ -1,21 +1,34 @@
-"""Atomic checkpoints of an ExpertStore: fp32 masters, gradient accumulators, Adam moments and
-step counts of every expert, on either tier.
+"""Atomic, verified checkpoints of an ExpertStore: fp32 masters, gradient accumulators, Adam
+moments and step counts of every expert, on either tier.
 
-Layout under the checkpoint directory:
+Layout under the checkpoint directory (format "moescale-store/2"):
 
-    expert-store-{tag}/meta.json        layouts, expert counts, per-expert step counts
-    expert-store-{tag}/layer{l:03d}.bin  raw fp32 [E, 4, P] (the store's record rows)
-    expert-store.LATEST                  the name of the last complete expert-store-* directory
+    expert-store-{tag}/manifest.json                 layouts, expert counts, and per expert:
+                                                     step count, whether its gradient row is
+                                                     kept, the crc32 of every chunk of every row
+    expert-store-{tag}/layer{l:03d}/expert{e:05d}.bin  the disk tier's record file format: rows
+                                                     MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, each
+                                                     padded to align_up(4 P) bytes
+    expert-store.LATEST                              the name of the last complete store
 
-A save writes a new `expert-store-{tag}.tmp` directory, fsyncs every file and the directory,
-renames it into place, then replaces `expert-store.LATEST` atomically (temp file, fsync,
-os.replace) and only then removes older store directories. A failure at any point (disk
-full, a read error) removes the partial directory and leaves LATEST and the checkpoint it names
-intact. Records stream one expert at a time, so a disk-tier store never needs its size in RAM.
+The manifest carries the sha256 of its own body, so an edited step count is refused.
 
-An expert-parallel run writes the same format for all E experts of a layer (`save_records` over
-records gathered from the ranks) and each rank loads its slice (`load_store(...,
-first_expert, total_experts)`), so such a checkpoint equals a one-process store's.
+Saving a disk-tier store hard-links its current record files (the store freezes them: its next
+write of an expert goes to a new file), so a checkpoint of a store larger than RAM or than the
+free disk costs no copy; on another filesystem, and for the host tier, records are written one
+expert at a time. A save writes `expert-store-{tag}.tmp/`, fsyncs, renames it into place, then
+replaces LATEST atomically and only then removes older stores; a failure removes the partial
+directory and leaves LATEST and the checkpoint it names intact.
+
+Loading verifies before it changes anything: LATEST must name a store directory beside it (no
+path, no other run), the manifest its digest, every file of the experts to load its crcs. Any
+mismatch raises `StoreCheckpointError` (a ValueError) naming the file and calling it corrupt,
+so the caller can fall back to an older checkpoint. A disk-tier store then adopts the verified
+files by hard link (no copy), other stores read them. An expert-parallel rank loads its slice
+(`first_expert` of `total_experts` per layer) of a store written for all experts.
+
+Checkpoints of the first format (`meta.json` and one file per layer, unverifiable) still load,
+with a warning.
 
 Deliberately not here: dense parameters and the dense optimizer (the trainer's own checkpoint),
 the gathering over ranks (moescale/train/ep_offload_backend.py).
@@ -23,27 +36,128 @@ the gathering over ranks (moescale/train/ep_offload_backend.py).
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
+import re
 import shutil
+import warnings
+import zlib
 
 import torch
 
 from moescale.atomic import atomic_write_text, fsync_dir
-from moescale.offload.store import ExpertStore
+from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up
+from moescale.offload.disk_tier import POS_GRAD, STATE, G, rows_of
+from moescale.offload.store import LOGICAL_POS, ExpertStore
 
 LATEST = "expert-store.LATEST"
+FORMAT = "moescale-store/2"
+_NAME = re.compile(r"expert-store-[A-Za-z0-9_.-]+")
 
 
+class StoreCheckpointError(ValueError):
+    """An expert-store checkpoint that is missing, corrupt, or not this model's."""
+
+
+def _record_path(root: str, key) -> str:
+    return os.path.join(root, f"layer{key[0]:03d}", f"expert{key[1]:05d}.bin")
+
+
+def _chunk_crcs(row_u8: torch.Tensor, chunk: int) -> list[int]:
+    data = memoryview(row_u8.numpy())
+    return [zlib.crc32(data[s:s + chunk]) for s in range(0, len(data), chunk)]
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- saving
 def save_store(store: ExpertStore, directory: str, tag: str) -> str:
     """Write the whole store under directory (atomically); returns the store directory."""
+    if store.disk is not None:
+        return _publish(directory, tag, store.layouts, store.num_experts,
+                        lambda tmp: _link_disk_store(store, tmp))
     return save_records(directory, tag, store.layouts, store.num_experts,
                         lambda layer, e: store.read_record((layer, e)))
 
 
 def save_records(directory: str, tag: str, layouts, num_experts: list[int], read) -> str:
-    """save_store's format from any source: read(layer, e) -> (record [4, P] fp32, step count),
-    called in file order (expert-parallel runs write their gathered shards with it)."""
+    """save_store's format from any source: read(layer, e) -> (record [4, P] fp32 in store
+    row order, step count), called in file order (expert-parallel runs write their gathered
+    shards with it)."""
+    def write(tmp: str) -> dict:
+        entries = {}
+        for layer, num in enumerate(num_experts):
+            for e in range(num):
+                data_4P, step = read(layer, e)
+                entries[f"{layer},{e}"] = dict(step=float(step), grad=True, crcs=_write_record(
+                    _record_path(tmp, (layer, e)), data_4P))
+        return entries
+    return _publish(directory, tag, layouts, num_experts, write)
+
+
+def _write_record(path: str, data_4P: torch.Tensor) -> dict:
+    """One record file (buffered, fsynced) from a [4, P] record; its crcs by row position."""
+    numel = data_4P.shape[1]
+    stride = align_up(4 * numel)
+    row_u8 = torch.zeros(stride, dtype=torch.uint8)
+    crcs = {}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        for pos in range(4):
+            row_u8[:4 * numel].view(torch.float32).copy_(data_4P[LOGICAL_POS.index(pos)])
+            f.write(memoryview(row_u8.numpy()))
+            crcs[str(pos)] = _chunk_crcs(row_u8, CHUNK_BYTES)
+        f.flush()
+        os.fsync(f.fileno())
+    return crcs
+
+
+def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
+    """Hard-link a disk-tier store's files into tmp; across filesystems, copy them, checking
+    each against the crcs the store wrote (a file damaged under the store fails the save)."""
+    copies = []
+
+    def link(path: str, key) -> None:
+        dest = _record_path(tmp, key)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        if not copies:
+            try:
+                os.link(path, dest)
+                return
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                    raise
+        copies.append((path, dest, key))   # another filesystem: copied below, unlocked
+
+    snap = store.disk.snapshot(link)
+    if copies:
+        chunk = store.disk.io.chunk_bytes
+        buf = SlotPool(1, max(store.disk.record_bytes(k[0]) for _, _, k in copies))
+        try:
+            for path, dest, key in copies:
+                stride = store.disk.stride(key[0])
+                record_u8 = buf.slots[0][:4 * stride]
+                store.disk.io.read(path, 0, record_u8).result()
+                for pos, crcs in snap[key]["crcs"].items():
+                    if _chunk_crcs(record_u8[pos * stride:(pos + 1) * stride], chunk) != crcs:
+                        raise OSError(errno.EIO, f"the store file {path!r} does not match what "
+                                      "the store wrote (damaged on disk)")
+                with open(dest, "wb") as f:
+                    f.write(memoryview(record_u8.numpy()))
+                    f.flush()
+                    os.fsync(f.fileno())
+        finally:
+            buf.close()
+    return {f"{key[0]},{key[1]}": dict(step=store.step_of(key), grad=info["grad"],
+                                       crcs={str(p): c for p, c in info["crcs"].items()})
+            for key, info in snap.items()}
+
+
+def _publish(directory: str, tag: str, layouts, num_experts, write) -> str:
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory={directory!r} does not exist; create it first")
     name = f"expert-store-{tag}"
@@ -55,19 +169,14 @@ def save_records(directory: str, tag: str, layouts, num_experts: list[int], read
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
-        meta = {"layouts": [list(zip(lay.names, lay.shapes)) for lay in layouts],
-                "num_experts": list(num_experts), "steps": {}}
-        for layer, num in enumerate(num_experts):
-            path = os.path.join(tmp, f"layer{layer:03d}.bin")
-            with open(path, "wb") as f:
-                for e in range(num):
-                    data_4P, step = read(layer, e)
-                    f.write(memoryview(data_4P.contiguous().numpy()).cast("B"))
-                    meta["steps"][f"{layer},{e}"] = float(step)
-                f.flush()
-                os.fsync(f.fileno())
-        atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta))
-        fsync_dir(tmp)
+        body = dict(format=FORMAT, chunk_bytes=CHUNK_BYTES,
+                    layouts=[[[n, list(s)] for n, s in zip(lay.names, lay.shapes)]
+                             for lay in layouts],
+                    num_experts=list(num_experts), experts=write(tmp))
+        atomic_write_text(os.path.join(tmp, "manifest.json"),
+                          json.dumps(dict(body=body, sha256=_digest(body))))
+        for root, _, _ in os.walk(tmp):
+            fsync_dir(root)
         os.replace(tmp, final)
         fsync_dir(directory)
         atomic_write_text(os.path.join(directory, LATEST), name)
@@ -86,28 +195,151 @@ def save_records(directory: str, tag: str, layouts, num_experts: list[int], read
     return final
 
 
+# ---------------------------------------------------------------------------- loading
+def _latest(directory: str) -> str:
+    latest = os.path.join(directory, LATEST)
+    try:
+        with open(latest) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        raise StoreCheckpointError(f"no expert-store checkpoint under {directory!r} ({LATEST} "
+                                   "is missing)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise StoreCheckpointError(f"{latest!r} cannot be read ({err}); the checkpoint is "
+                                   "corrupt") from err
+    if not _NAME.fullmatch(name) or not os.path.isdir(os.path.join(directory, name)):
+        raise StoreCheckpointError(f"{latest!r} names {name[:200]!r}, which is not a store "
+                                   f"directory beside it; the checkpoint is corrupt (or was "
+                                   "edited): resume from another checkpoint")
+    return os.path.join(directory, name)
+
+
 def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
                total_experts: int | None = None) -> None:
-    """Fill `store` (same layers and experts) from the checkpoint LATEST names.
-
-    Expert-parallel shard: the checkpoint holds `total_experts` per layer and the store the
-    `store.num_experts` starting at `first_expert` (global ids)."""
-    latest = os.path.join(directory, LATEST)
-    if not os.path.exists(latest):
-        raise ValueError(f"no expert-store checkpoint under {directory!r} ({LATEST} is missing)")
-    with open(latest) as f:
-        src = os.path.join(directory, f.read().strip())
-    with open(os.path.join(src, "meta.json")) as f:
-        meta = json.load(f)
-    want = [[list(x) for x in zip(lay.names, lay.shapes)] for lay in store.layouts]
-    got = [[[n, list(s)] for n, s in layer] for layer in meta["layouts"]]
+    """Fill `store` (same layers and experts) from the checkpoint LATEST names, after
+    verifying it. Expert-parallel shard: the checkpoint holds `total_experts` per layer and
+    the store the `store.num_experts` starting at `first_expert` (global ids)."""
+    src = _latest(directory)
+    if not os.path.exists(os.path.join(src, "manifest.json")) and \
+            os.path.exists(os.path.join(src, "meta.json")):
+        _load_v1(store, src, first_expert, total_experts)
+        return
+    body = _read_manifest(src)
+    want = [[[n, list(s)] for n, s in zip(lay.names, lay.shapes)] for lay in store.layouts]
     expected = store.num_experts if total_experts is None else \
         [total_experts] * len(store.num_experts)
-    if got != [[[n, list(s)] for n, s in layer] for layer in want] or \
-            meta["num_experts"] != expected:
-        raise ValueError(f"the checkpoint in {src!r} holds experts of another shape "
-                         f"({meta['num_experts']} experts per layer, this model {expected}); "
-                         "build the same model")
+    if body["layouts"] != want or body["num_experts"] != expected:
+        raise StoreCheckpointError(
+            f"the checkpoint in {src!r} holds experts of another shape ({body['num_experts']} "
+            f"experts per layer, this model {expected}); build the same model")
+    keys = [(layer, e) for layer, n in enumerate(store.num_experts) for e in range(n)]
+    infos = {}
+    for key in keys:
+        name = f"{key[0]},{first_expert + key[1]}"
+        info = body["experts"].get(name)
+        if not isinstance(info, dict):
+            raise StoreCheckpointError(f"the manifest in {src!r} lacks expert {name}; the "
+                                       "checkpoint is corrupt")
+        infos[key] = info
+    _verify(store, src, keys, infos, first_expert, body["chunk_bytes"])
+    if store.disk is not None and _same_fs(src, store.config.directory):
+        store.disk.flush(drop=True)
+        for key in keys:
+            info = infos[key]
+            store.disk.adopt(key, _record_path(src, (key[0], first_expert + key[1])),
+                             {int(p): c for p, c in info["crcs"].items()}, info["grad"])
+            _set_step(store, key, info["step"])
+        return
+    for key in keys:   # copy the verified files into the store
+        _copy_in(store, key, _record_path(src, (key[0], first_expert + key[1])), infos[key])
+
+
+def _read_manifest(src: str) -> dict:
+    path = os.path.join(src, "manifest.json")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        body = doc["body"]
+        ok = doc.get("sha256") == _digest(body) and body.get("format") == FORMAT
+    except FileNotFoundError:
+        raise StoreCheckpointError(f"{path!r} is missing; the checkpoint is incomplete or "
+                                   "corrupt") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise StoreCheckpointError(f"{path!r} cannot be read ({err}); the checkpoint is "
+                                   "corrupt") from err
+    if not ok:
+        raise StoreCheckpointError(f"{path!r} does not match its digest (edited or corrupt); "
+                                   "the checkpoint is corrupt: resume from another one")
+    return body
+
+
+def _verify(store, src, keys, infos, first_expert, chunk) -> None:
+    """Read every file of `keys` and compare its crcs (direct I/O, no page cache)."""
+    io = DirectIO(threads=2, chunk_bytes=chunk)
+    biggest = max(align_up(4 * store.layouts[k[0]].numel) for k in keys) if keys else 4096
+    buf = SlotPool(1, biggest)
+    try:
+        for key in keys:
+            path = _record_path(src, (key[0], first_expert + key[1]))
+            stride = align_up(4 * store.layouts[key[0]].numel)
+            crcs = infos[key]["crcs"]
+            rows = STATE | (G if infos[key]["grad"] else 0)
+            for pos in rows_of(rows):
+                row_u8 = buf.slots[0][:stride]
+                try:
+                    io.read(path, pos * stride, row_u8).result()
+                except OSError as err:
+                    raise StoreCheckpointError(f"expert file {path!r} cannot be read "
+                                               f"({err.strerror or err}); the checkpoint is "
+                                               "corrupt or incomplete") from err
+                if _chunk_crcs(row_u8, chunk) != crcs.get(str(pos)):
+                    raise StoreCheckpointError(f"expert file {path!r} does not match its "
+                                               "checksum; the checkpoint is corrupt")
+    finally:
+        io.close()
+        buf.close()
+
+
+def _same_fs(a: str, b: str) -> bool:
+    return os.stat(a).st_dev == os.stat(b).st_dev
+
+
+def _set_step(store: ExpertStore, key, step: float) -> None:
+    store.set_step(key, step)
+    store.bump_version(key)   # device copies of the old state are stale
+
+
+def _copy_in(store: ExpertStore, key, path: str, info: dict) -> None:
+    numel = store.layouts[key[0]].numel
+    stride = align_up(4 * numel)
+    raw = torch.from_file(path, size=4 * stride, dtype=torch.uint8)
+    rec = store.acquire(key)
+    try:
+        for logical, pos in enumerate(LOGICAL_POS):
+            if pos == POS_GRAD and not info["grad"]:
+                rec.rows[logical].zero_()
+            else:
+                rec.rows[logical].copy_(raw[pos * stride:pos * stride + 4 * numel]
+                                        .view(torch.float32))
+        _set_step(store, key, info["step"])
+    finally:
+        store.release(key, dirty=True)
+
+
+def _load_v1(store: ExpertStore, src: str, first_expert: int, total_experts) -> None:
+    """The first format: meta.json + layer{l}.bin of [E, 4, P] (no checksums)."""
+    warnings.warn(f"{src!r} is an expert-store checkpoint of the first format, which has no "
+                  "checksums: it is loaded unverified", RuntimeWarning, stacklevel=3)
+    with open(os.path.join(src, "meta.json")) as f:
+        meta = json.load(f)
+    want = [[[n, list(s)] for n, s in zip(lay.names, lay.shapes)] for lay in store.layouts]
+    expected = store.num_experts if total_experts is None else \
+        [total_experts] * len(store.num_experts)
+    got = [[[n, list(s)] for n, s in layer] for layer in meta["layouts"]]
+    if got != want or meta["num_experts"] != expected:
+        raise StoreCheckpointError(f"the checkpoint in {src!r} holds experts of another shape "
+                                   f"({meta['num_experts']} experts per layer, this model "
+                                   f"{expected}); build the same model")
     for layer, num in enumerate(store.num_experts):
         numel = store.layouts[layer].numel
         with open(os.path.join(src, f"layer{layer:03d}.bin"), "rb") as f:
@@ -115,12 +347,12 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
             for e in range(num):
                 buf = torch.empty(4, numel, dtype=torch.float32)
                 if f.readinto(memoryview(buf.numpy()).cast("B")) != 16 * numel:
-                    raise ValueError(f"checkpoint file layer{layer:03d}.bin in {src!r} is "
-                                     "truncated")
+                    raise StoreCheckpointError(f"checkpoint file layer{layer:03d}.bin in "
+                                               f"{src!r} is truncated")
                 rec = store.acquire((layer, e))
                 try:
-                    rec.data_4P.copy_(buf)
-                    rec.step_t.fill_(meta["steps"][f"{layer},{first_expert + e}"])
-                    store.bump_version((layer, e))  # device copies of the old state are stale
+                    for row, t in zip(rec.rows, buf):
+                        row.copy_(t)
+                    _set_step(store, (layer, e), meta["steps"][f"{layer},{first_expert + e}"])
                 finally:
                     store.release((layer, e), dirty=True)

@@ -48,6 +48,7 @@ from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
 from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
 from moescale.offload.optimizer import STEP_MODES, AdamWConfig, HostOptimizer
+from moescale.offload.disk_tier import ALL, G, M
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -187,10 +188,8 @@ class OffloadEngine:
         if traced:
             self._trace.append((layer, order))
         self.cache.observe(layer, counts)
-        if self.store.config.tier == "disk":
-            # no prefetch: the forward reads only master rows, on the copy thread, one
-            # expert ahead; whole records are worth loading for backward, in its order
-            self.store.set_upcoming([(layer, e) for e in order] + self._backward_keys(),
+        if self.store.config.tier == "disk":   # masters now, whole records in backward
+            self.store.set_upcoming([((layer, e), M) for e in order] + self._backward_keys(),
                                     keep=self.optimizer.pending)
         return order
 
@@ -202,17 +201,15 @@ class OffloadEngine:
         pinned = [e for e in forward_order if self.cache.is_resident((layer, e))]
         order = pinned + [e for e in reversed(forward_order) if e not in pinned]
         if self.store.config.tier == "disk":
-            # each expert: its upload, its gradient accumulation (and its eager step)
+            # each expert: its upload, its gradient accumulation (and its eager step); uses
+            # by gradient work still queued on the optimizer stay in front
             uses = 3 if last and self.config.step_mode == "eager" else 2
-            upcoming = [(layer, e) for e in order for _ in range(uses)] + \
-                self._backward_keys()
-            # uses by gradient work still queued on the optimizer come first
-            self.store.set_upcoming(upcoming, keep=self.optimizer.pending)
-            self.store.prefetch(upcoming)
+            self.store.set_upcoming([((layer, e), ALL) for e in order for _ in range(uses)] +
+                                    self._backward_keys(), keep=self.optimizer.pending)
         return order
 
-    def _backward_keys(self) -> list[Key]:
-        return [(layer, e) for layer, order in reversed(self._trace)
+    def _backward_keys(self) -> list[tuple[Key, int]]:
+        return [((layer, e), ALL) for layer, order in reversed(self._trace)
                 for e in reversed(order) for _ in range(2)]
 
     # ----------------------------------------------------------------- training loop
@@ -271,11 +268,11 @@ class OffloadEngine:
         count); the dense side is the user's optimizer.zero_grad()."""
         self.optimizer.wait_all()
         for key in self.store.keys():
-            rec = self.store.acquire(key)
+            rec = self.store.acquire(key, G)
             try:
                 rec.grad_P.zero_()
             finally:
-                self.store.release(key, dirty=True)
+                self.store.release(key, grad_zero=True)
 
     def synchronize(self) -> None:
         """Wait for every queued host task (optimizer steps, accumulations)."""

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import torch
 from torch.optim.adamw import adamw
 
+from moescale.offload.disk_tier import ALL, G, STATE
 from moescale.offload.store import ExpertStore, Key
 
 IMPLS = ("single", "foreach", "fused")
@@ -127,13 +128,13 @@ class HostOptimizer:
         try:
             if hasattr(grads, "wait"):  # a device -> host Transfer
                 grads = grads.wait()
-            rec = self.store.acquire(key)
+            rec = self.store.acquire(key, G)
             try:
                 views = self.store.layouts[key[0]].split(rec.grad_P).values()
                 for view, grad in zip(views, grads, strict=True):
                     view.add_(grad.reshape(view.shape))
             finally:
-                self.store.release(key, dirty=True)
+                self.store.release(key, dirty=True, rows=G)
         finally:
             if on_done is not None:
                 on_done()
@@ -157,7 +158,7 @@ class HostOptimizer:
                 self.store.bump_version(r.key)
         finally:
             for k in keys:
-                self.store.release(k, dirty=True)
+                self.store.release(k, dirty=True, rows=STATE, grad_zero=True)
         self.step_seconds += time.perf_counter() - start
 
     def wait_all(self) -> None:
@@ -173,7 +174,7 @@ class HostOptimizer:
         self.wait_all()
         total = torch.zeros((), dtype=torch.float32)
         for key in self.store.keys():
-            rec = self.store.acquire(key)
+            rec = self.store.acquire(key, G)
             try:
                 total += rec.grad_P.norm(2).square()
             finally:
@@ -191,6 +192,7 @@ class HostOptimizer:
         pending = [k for k in self.store.keys() if k not in self._stepped]
         if self.store.config.tier == "disk":
             group = 1  # never pin more records than the host cache holds
+            self.store.set_upcoming([(k, ALL) for k in pending], keep=self.pending)
         for i in range(0, len(pending), group):
             chunk = pending[i:i + group]
             future = self._submit(chunk[0], self._step, chunk, hp, grad_coef, is_step=True)

@@ -1,27 +1,32 @@
 """ExpertStore on real memory and real files: round trips on the host and disk tiers, a
-bounded host cache with schedule-aware eviction and write-back, and clear errors for a missing,
-non-directory, read-only or full disk directory."""
+bounded pool of host slots with schedule-aware eviction, read-ahead and write-behind, the
+record file format, a zero gradient accumulator never moved, direct I/O measured at the device,
+the buffered fallback on tmpfs, and clear errors for a missing, non-directory, read-only or
+full disk directory."""
 
 import errno
 import os
+import warnings
 
 import pytest
 import torch
 
+from moescale.offload.disk_tier import ALL, G, M, STATE
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 
-LAYOUT = ExpertLayout([("w1", (3, 4)), ("b", (4,))])  # P = 16 numbers, record = 256 bytes
+LAYOUT = ExpertLayout([("w1", (31, 32)), ("b", (32,))])  # P = 1024: a row is 4 KiB
+RECORD = 4 * 4096
 
 
 def masters(e):
-    return torch.arange(16, dtype=torch.float32) + 100 * e
+    return torch.arange(1024, dtype=torch.float32) + 100 * e
 
 
-def make(tier, tmp_path=None, cache_records=3, **kw):
+def make(tier, tmp_path=None, cache_records=3, experts=5, **kw):
     cfg = StoreConfig(tier=tier, directory=None if tmp_path is None else str(tmp_path),
-                      host_cache_bytes=None if tier == "host" else cache_records * 256, **kw)
+                      host_cache_bytes=None if tier == "host" else cache_records * RECORD, **kw)
     store = ExpertStore(cfg)
-    store.add_layer(LAYOUT, 5, masters)
+    store.add_layer(LAYOUT, experts, masters)
     return store
 
 
@@ -29,7 +34,7 @@ def roundtrip(store):
     for key in store.keys():
         rec = store.acquire(key)
         assert torch.equal(rec.master_P, masters(key[1]))
-        assert LAYOUT.split(rec.master_P)["w1"].shape == (3, 4)
+        assert LAYOUT.split(rec.master_P)["w1"].shape == (31, 32)
         rec.grad_P.fill_(key[1] + 0.5)
         rec.exp_avg_sq_P.fill_(-1.0)
         store.release(key, dirty=True)
@@ -56,40 +61,119 @@ def test_host_tier_shared_memory():
 def test_disk_tier_roundtrip_files_and_bounded_cache(tmp_path):
     store = make("disk", tmp_path, cache_records=2)
     files = sorted(p.name for p in (tmp_path / "layer000").iterdir())
-    assert files == [f"expert{e:05d}.bin" for e in range(5)]
-    assert all(os.path.getsize(tmp_path / "layer000" / f) == 256 for f in files)
+    assert files == [f"expert{e:05d}.g0.bin" for e in range(5)]
+    assert all(os.path.getsize(tmp_path / "layer000" / f) == RECORD for f in files)
     roundtrip(store)
-    assert store.peak_cache_bytes <= 2 * 256
+    assert store.peak_cache_bytes <= 2 * RECORD
     store.close()
-    # the files alone hold the state: a raw fp32 [4, P] record per expert
-    raw = torch.from_file(str(tmp_path / "layer000" / "expert00003.bin"), size=64,
-                          dtype=torch.float32).view(4, 16)
-    assert torch.equal(raw[0], masters(3)) and torch.all(raw[1] == 3.5)
+    # the files alone hold the state: rows master, exp_avg, exp_avg_sq, grad at 4 KiB
+    raw = torch.from_file(str(tmp_path / "layer000" / "expert00003.g0.bin"), size=4096,
+                          dtype=torch.float32).view(4, 1024)
+    assert torch.equal(raw[0], masters(3)) and torch.all(raw[2] == -1)
+    assert torch.all(raw[3] == 3.5)
 
 
 def test_schedule_aware_eviction_keeps_what_is_needed_next(tmp_path):
     store = make("disk", tmp_path, cache_records=3)
     for e in (0, 1, 2):
-        store.acquire((0, e)), store.release((0, e))
-    # backward will touch 2, 1, 0 after 3: LRU would evict 0; the schedule evicts... none
-    # needed sooner: 0 is needed last, so it goes first; 1 and 2 stay.
-    store.set_upcoming([(0, 3), (0, 2), (0, 1), (0, 0)])
-    store.acquire((0, 3)), store.release((0, 3))
-    assert set(store._cache) == {(0, 1), (0, 2), (0, 3)}
+        store.acquire((0, e), M), store.release((0, e))
+    # the coming accesses are 3, 2, 1, 0: to make room for 3, 0 (needed last) goes; once 3
+    # is done it is never needed again, so its slot reads 0 back ahead of time
+    store.set_upcoming([((0, 3), M), ((0, 2), M), ((0, 1), M), ((0, 0), M)])
+    store.acquire((0, 3), M)
+    assert set(store.disk._cache) == {(0, 1), (0, 2), (0, 3)}
+    store.release((0, 3))
+    store.disk.flush()   # waits for the read-ahead
+    assert set(store.disk._cache) == {(0, 0), (0, 1), (0, 2)}
     read_before = store.bytes_read
-    for e in (2, 1):
-        store.acquire((0, e)), store.release((0, e))
+    for e in (2, 1, 0):
+        store.acquire((0, e), M), store.release((0, e))
     assert store.bytes_read == read_before  # hits
     store.close()
 
 
-def test_prefetch_reads_ahead_without_evicting_sooner_needs(tmp_path):
+def test_set_upcoming_reads_ahead_without_evicting_sooner_needs(tmp_path):
     store = make("disk", tmp_path, cache_records=2)
-    store.set_upcoming([(0, 4), (0, 3), (0, 0)])
-    store.prefetch([(0, 4), (0, 3), (0, 0)])
-    store.acquire((0, 4)), store.release((0, 4))
-    assert set(store._cache) == {(0, 4), (0, 3)}
+    store.set_upcoming([((0, 4), M), ((0, 3), M), ((0, 0), M)])
+    store.disk.flush()   # waits for the reads in flight
+    assert set(store.disk._cache) == {(0, 4), (0, 3)}
+    read_before = store.bytes_read
+    store.acquire((0, 4), M), store.release((0, 4))
+    assert store.bytes_read == read_before  # already there
     store.close()
+
+
+def test_only_needed_rows_move_and_a_zero_gradient_never_does(tmp_path):
+    store = make("disk", tmp_path, cache_records=2)
+    read0 = store.bytes_read
+    rec = store.acquire((0, 1), M)            # forward: the master row alone
+    assert torch.equal(rec.master_P, masters(1))
+    store.release((0, 1))
+    assert store.bytes_read - read0 == 4096
+    rec = store.acquire((0, 1), ALL)          # backward: the moments; the zero grad not read
+    assert torch.all(rec.grad_P == 0)
+    assert store.bytes_read - read0 == 3 * 4096
+    rec.master_P.add_(1)
+    rec.grad_P.zero_()
+    store.release((0, 1), dirty=True, rows=STATE, grad_zero=True)
+    written0 = store.bytes_written
+    store.flush()
+    assert store.bytes_written - written0 == 3 * 4096   # master and moments, no gradient
+    rec = store.acquire((0, 2), G)            # accumulation: the gradient persists now
+    rec.grad_P.fill_(2.0)
+    store.release((0, 2), dirty=True, rows=G)
+    store.drop_cache()
+    rec = store.acquire((0, 2), ALL)
+    assert torch.all(rec.grad_P == 2.0) and torch.equal(rec.master_P, masters(2))
+    store.release((0, 2))
+    store.close()
+
+
+def _device_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+
+
+def test_direct_io_reads_reach_the_device(tmp_path):
+    store = make("disk", tmp_path, cache_records=2, experts=8)
+    if not store.disk.io.direct:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    for rep in range(3):   # the first pass writes the moments (sparse until then); a page
+        before, logical = _device_read_bytes(), store.bytes_read   # cache serves the third
+        for key in store.keys():
+            store.acquire(key, STATE), store.release(key, dirty=True, rows=STATE)
+        store.drop_cache()
+        if rep:
+            assert _device_read_bytes() - before >= 0.95 * (store.bytes_read - logical)
+    store.close()
+
+
+def test_tmpfs_falls_back_to_buffered_io_and_says_so(tmp_path):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    import tempfile
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        if os.statvfs(shm).f_bsize and _accepts_direct(shm):
+            pytest.skip("this /dev/shm accepts O_DIRECT")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            store = make("disk", shm, cache_records=2)
+        assert store.disk.io.direct is False
+        assert sum("O_DIRECT" in str(w.message) for w in seen) == 1
+        roundtrip(store)
+        store.close()
+
+
+def _accepts_direct(directory) -> bool:
+    path = os.path.join(directory, "probe")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def test_missing_directory(tmp_path):
@@ -129,14 +213,33 @@ def test_not_enough_free_space_fails_before_writing(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_reserve_disk_checks_every_layer_at_once(tmp_path):
+    store = ExpertStore(StoreConfig(tier="disk", directory=str(tmp_path),
+                                    host_cache_bytes=1 << 20))
+    with pytest.raises(OSError) as err:
+        store.reserve_disk(1 << 62)
+    assert err.value.errno == errno.ENOSPC
+    assert not any(tmp_path.iterdir())
+
+
+def test_free_space_probe_never_follows_a_symlink(tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    for name in (f".moescale-probe-{os.getpid()}", ".moescale-probe"):
+        os.symlink(target, tmp_path / name)
+    store = make("disk", tmp_path, cache_records=2)
+    store.close()
+    assert target.read_text() == "keep me"
+
+
 def test_disk_full_during_write_back_is_clear(tmp_path):
     store = make("disk", tmp_path, cache_records=2)
     path = store.path((0, 1))
     os.remove(path)
     os.symlink("/dev/full", path)  # every write to this expert's file hits ENOSPC
-    rec = store.acquire((0, 1))
+    rec = store.acquire((0, 1), G)
     rec.grad_P.fill_(1.0)
-    store.release((0, 1), dirty=True)
+    store.release((0, 1), dirty=True, rows=G)
     with pytest.raises(OSError) as err:
         store.flush()
     assert err.value.errno == errno.ENOSPC
@@ -145,9 +248,17 @@ def test_disk_full_during_write_back_is_clear(tmp_path):
 
 def test_config_errors():
     with pytest.raises(ValueError, match="host_cache_bytes"):
-        StoreConfig(tier="disk", directory="/tmp")
+        StoreConfig(tier="disk", directory="/tmp", host_cache_bytes=0)
     with pytest.raises(ValueError, match="tier"):
         StoreConfig(tier="nvme")
+
+
+def test_default_host_cache_is_taken_when_none_is_given(tmp_path):
+    store = ExpertStore(StoreConfig(tier="disk", directory=str(tmp_path)))
+    store.add_layer(LAYOUT, 5, masters)
+    roundtrip(store)
+    assert store.disk.host_cache_bytes >= 2 * RECORD
+    store.close()
 
 
 def test_cache_smaller_than_two_records_is_refused(tmp_path):
@@ -155,18 +266,18 @@ def test_cache_smaller_than_two_records_is_refused(tmp_path):
         make("disk", tmp_path, cache_records=1)
 
 
-def test_disk_tier_moves_each_record_about_once_per_step(tmp_path):
-    """After routing the schedule is known: a training step reads each expert's master once
-    for the forward and its record once for backward + step, and writes each record once."""
+def test_disk_tier_moves_the_minimum_bytes_per_step(tmp_path):
+    """After routing the schedule is known: an eager step reads each expert's master for the
+    forward (unless still cached) and its master and moments once for backward + step, and
+    writes master and moments once; the zero gradient accumulator never moves."""
     import copy as _copy
 
     from equivalence_models import batches, make_model
     from moescale.offload import OffloadConfig, offload_moe
 
     model = _copy.deepcopy(make_model())
-    record = 4 * 4 * (16 * 32 * 2)
     engine = offload_moe(model, OffloadConfig(tier="disk", directory=str(tmp_path),
-                                              host_cache_bytes=3 * record,
+                                              host_cache_bytes=3 * RECORD,
                                               device_budget_experts=3))
     opt = torch.optim.AdamW(model.parameters())
     engine.follow(opt)
@@ -180,7 +291,7 @@ def test_disk_tier_moves_each_record_about_once_per_step(tmp_path):
         opt.zero_grad()
         engine.synchronize()
         store.flush()
-    num = 8  # 2 layers x 4 experts
-    assert store.bytes_read - read0 <= num * (record + record // 4)
-    assert store.bytes_written - written0 <= num * record
+    num, row = 8, 4096  # 2 layers x 4 experts, P = 1024
+    assert store.bytes_read - read0 <= num * 4 * row
+    assert store.bytes_written - written0 <= num * 3 * row
     engine.close()

@@ -104,8 +104,8 @@ def test_host_offloaded_shards_train_like_one_process(host_run, single):
         torch.testing.assert_close(ep_tensors[key], one_tensors[key], rtol=1e-3, atol=1e-5,
                                    msg=key)
     store = run_dir / "checkpoints" / ep_state["expert_store"]
-    meta = json.loads(next(store.glob("expert-store-*/meta.json")).read_text())
-    assert meta["num_experts"] == [4, 4]           # one store of all experts per layer
+    meta = json.loads(next(store.glob("expert-store-*/manifest.json")).read_text())
+    assert meta["body"]["num_experts"] == [4, 4]   # one store of all experts per layer
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,209 @@
+"""Direct file I/O for the disk tier: a fixed pool of aligned host slots, reads and writes that
+bypass the page cache, split into chunks and served by thread pools.
+
+- `SlotPool(num_slots, slot_bytes)`: equal, page-aligned buffers (anonymous mmaps, pinned with
+  `cudaHostRegister` when asked) handed out and taken back; nothing is allocated per access, so
+  the pool's size is the disk tier's real host memory (no hidden page cache beside it).
+- `DirectIO`: `read(path, offset, view)` / `write(path, offset, view)` return a Future; each
+  request is cut into `chunk_bytes` pieces that `threads` workers serve with `os.preadv` /
+  `os.pwritev` (which release the GIL), so several requests are in flight at the device at
+  once. Reads and writes have their own workers: a long write-back never queues a read behind
+  it. Files are opened with `O_DIRECT`; where the filesystem refuses it (tmpfs), the I/O is
+  buffered and followed by `posix_fadvise(DONTNEED)` so that the page cache does not keep
+  what was moved, and `direct` is False (the store says so once). Every write returns the
+  crc32 of each chunk it wrote, in offset order (the store's checkpoint manifest keeps them).
+
+Offsets, lengths and buffer addresses are multiples of `ALIGN` (4096: the largest logical block
+size of common devices), as O_DIRECT requires.
+
+Deliberately not here: what is read or written when (disk_tier.py), file names and formats.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+ALIGN = 4096
+CHUNK_BYTES = 8 << 20
+
+
+def align_up(nbytes: int, align: int = ALIGN) -> int:
+    return (nbytes + align - 1) // align * align
+
+
+class SlotPool:
+    """`num_slots` page-aligned host buffers of `slot_bytes` each, reused for every access."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: bool = False) -> None:
+        assert num_slots >= 1 and slot_bytes % ALIGN == 0
+        self.slot_bytes = slot_bytes
+        self._maps = [mmap.mmap(-1, slot_bytes) for _ in range(num_slots)]
+        self.slots = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pinned = pin
+        if pin:  # page-locked for asynchronous device copies (CUDA only)
+            cudart = torch.cuda.cudart()
+            for t in self.slots:
+                cudart.cudaHostRegister(t.data_ptr(), slot_bytes, 0)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int | None:
+        """A free slot's index, or None when every slot is in use."""
+        return self._free.pop() if self._free else None
+
+    def give(self, slot: int) -> None:
+        assert slot not in self._free, f"slot {slot} returned twice"
+        self._free.append(slot)
+
+    def close(self) -> None:
+        if self._pinned:
+            cudart = torch.cuda.cudart()
+            for t in self.slots:
+                cudart.cudaHostUnregister(t.data_ptr())
+        self.slots.clear()
+        for m in self._maps:
+            m.close()
+        self._maps.clear()
+
+
+def gather(futures: list[Future]) -> Future:
+    """A Future of the list of the futures' results (the first error if one fails)."""
+    out: Future = Future()
+    if not futures:
+        out.set_result([])
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result([f.result() for f in futures])
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+class DirectIO:
+    """Chunked O_DIRECT reads and writes on thread pools (buffered + DONTNEED as fallback)."""
+
+    def __init__(self, threads: int = 4, chunk_bytes: int = CHUNK_BYTES) -> None:
+        if threads < 1:
+            raise ValueError(f"io_threads={threads!r} must be >= 1")
+        assert chunk_bytes % ALIGN == 0
+        self.chunk_bytes = chunk_bytes
+        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="moescale-read")
+        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="moescale-write")
+        self.direct: bool | None = None   # False once a file had to be opened buffered
+        self._buffered: set[int] = set()   # fds of such files
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._count = threading.Lock()
+
+    # ----------------------------------------------------------------- files
+    def open(self, path: str, create: bool = False) -> int:
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            if self.direct is None:
+                self.direct = True
+            return fd
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+        fd = os.open(path, flags, 0o644)   # this filesystem refuses O_DIRECT (tmpfs)
+        with self._count:
+            self.direct = False
+            self._buffered.add(fd)
+        return fd
+
+    def close_fd(self, fd: int) -> None:
+        with self._count:
+            self._buffered.discard(fd)
+        os.close(fd)
+
+    # ----------------------------------------------------------------- requests
+    def _pieces(self, offset: int, nbytes: int):
+        for start in range(0, nbytes, self.chunk_bytes):
+            yield start, min(self.chunk_bytes, nbytes - start)
+
+    def read(self, path: str, offset: int, view: torch.Tensor) -> Future:
+        """Fill the uint8 tensor `view` (aligned) from path at offset; Future of None."""
+        return self._submit(self._readers, self._read_piece, path, offset, view)
+
+    def write(self, path: str, offset: int, view: torch.Tensor, create: bool = False
+              ) -> Future:
+        """Write `view` to path at offset; Future of the chunks' crc32s in offset order."""
+        return self._submit(self._writers, self._write_piece, path, offset, view, create)
+
+    def _submit(self, pool, piece, path, offset, view, *extra) -> Future:
+        assert offset % ALIGN == 0 and view.numel() % ALIGN == 0 and \
+            view.data_ptr() % ALIGN == 0, "direct I/O needs aligned offset, length and buffer"
+        fd = self.open(path, *extra)
+        futures = [pool.submit(piece, fd, path, offset + start, view[start:start + n])
+                   for start, n in self._pieces(offset, view.numel())]
+        out = gather(futures)
+        out.add_done_callback(lambda _: self.close_fd(fd))
+        return out
+
+    def _read_piece(self, fd: int, path: str, offset: int, view: torch.Tensor) -> None:
+        buf = memoryview(view.numpy())
+        got = 0
+        try:
+            while got < len(buf):
+                n = os.preadv(fd, [buf[got:]], offset + got)
+                if n == 0:
+                    raise OSError(errno.EIO, f"expert file {path!r} is truncated (ends before "
+                                  f"byte {offset + len(buf)}); the disk tier's directory was "
+                                  "modified")
+                got += n
+            if fd in self._buffered:
+                os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
+        except OSError as err:
+            raise OSError(err.errno, f"reading {path!r} failed: {err.strerror}") from err
+        with self._count:
+            self.bytes_read += got
+
+    def _write_piece(self, fd: int, path: str, offset: int, view: torch.Tensor) -> int:
+        buf = memoryview(view.numpy())
+        crc = zlib.crc32(buf)
+        done = 0
+        try:
+            while done < len(buf):
+                n = os.pwritev(fd, [buf[done:]], offset + done)
+                if n == 0:
+                    raise OSError(errno.ENOSPC, "short write")
+                done += n
+            if fd in self._buffered:
+                os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
+        except OSError as err:
+            hint = "the disk is full; free space or choose another directory" \
+                if err.errno == errno.ENOSPC else "check the disk tier's directory"
+            raise OSError(err.errno, f"writing {path!r} failed ({err.strerror}): {hint}") \
+                from err
+        with self._count:
+            self.bytes_written += done
+        return crc
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)

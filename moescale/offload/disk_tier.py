@@ -1,0 +1,503 @@
+"""The disk tier of the ExpertStore: one file per expert, a fixed pool of host slots, reads ahead
+from the known schedule, write-back behind it, all off the caller's thread and outside the lock.
+
+Record file (and slot) format: the four fp32 rows of an expert at a stride of `align_up(4 P)`
+bytes, in the order MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, so that what a step needs (master and
+moments) is one contiguous range and the gradient row, which is zero between steps, is read
+and written only while micro-batches accumulate (`grad_on_disk`). A slot holds any subset of
+the rows (`valid`, `dirty` are bit masks over row positions); the forward reads the master row
+only, backward the rest.
+
+Scheduling: the store is told the order of coming accesses (`set_upcoming`: (key, rows) in
+order; forward order after routing, backward is known from the forward). `_pump` (run on every
+change: an access, a release, an I/O completion) keeps up to `max_reads` reads in flight for
+the next accesses, taking a free slot or the slot of an entry needed later than the read's
+target (Belady's rule), and writes back dirty entries that are not needed again this step
+(write-behind), so that the caller waits only when the disk is the bottleneck. Write-backs run
+on coordinator threads; the lock is never held across I/O.
+
+Files are versioned (`expert00001.g{n}.bin`): a checkpoint hard-links the current files
+(`snapshot`), after which the next write of an expert goes to a new file (copy on write, the
+rows the slot lacks read from the linked file first), so a checkpoint never copies the state
+and never sees a later step. Every write records the crc32 of each chunk of each row it wrote;
+`snapshot` hands them to the checkpoint manifest.
+
+Deliberately not here: the host tier and the record API (store.py), direct I/O (direct_io.py),
+the checkpoint format (checkpoint.py).
+
+Legend: P parameters of one expert.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import zlib
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from moescale.offload.direct_io import DirectIO, SlotPool, align_up, gather
+
+Key = tuple[int, int]
+# row positions in a record file / slot
+POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD = 0, 1, 2, 3
+M, A, S, G = 1, 2, 4, 8          # bit masks of those rows
+STATE = M | A | S                # what persists between steps
+ALL = STATE | G
+
+
+def rows_of(mask: int) -> list[int]:
+    return [p for p in range(4) if mask >> p & 1]
+
+
+def runs_of(mask: int) -> list[tuple[int, int]]:
+    """Contiguous runs (first position, count) of the rows in mask."""
+    out: list[tuple[int, int]] = []
+    for p in rows_of(mask):
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
+@dataclass
+class _Entry:
+    key: Key
+    slot: int
+    valid: int = 0
+    dirty: int = 0
+    pins: int = 0
+    busy: Future | None = None     # a read or write in flight on this slot
+    evict: bool = False            # give the slot back when the write in flight ends
+    error: BaseException | None = None
+
+
+class DiskTier:
+    """Expert records in files, cached in a fixed pool of host slots (thread-safe)."""
+
+    def __init__(self, directory: str, host_cache_bytes: int, io_threads: int = 4,
+                 pin_memory: bool = False, max_reads: int = 2, max_writes: int = 2) -> None:
+        self.directory, self.host_cache_bytes = directory, host_cache_bytes
+        self.io = DirectIO(io_threads)
+        self._writeback = ThreadPoolExecutor(max_writes, thread_name_prefix="moescale-wb")
+        self.pin_memory, self.max_reads, self.max_writes = pin_memory, max_reads, max_writes
+        self.numels: list[int] = []               # P per layer
+        self.pool: SlotPool | None = None         # made at the first access (all layers known)
+        self._cache: dict[Key, _Entry] = {}
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self.gen: dict[Key, int] = {}             # file generation of each expert
+        self.frozen: set[Key] = set()             # files linked by a checkpoint
+        self.grad_on_disk: set[Key] = set()       # the file's gradient row is current
+        self.crcs: dict[Key, dict[int, list[int]]] = {}   # row position -> chunk crc32s
+        self._upcoming: list[tuple[Key, int]] = []
+        self._head = 0
+        self._uses: dict[Key, deque[int]] = {}
+        self._reads = self._writes = 0
+        self._waiting = 0                         # foreground accesses waiting for a slot
+        self.peak_cache_bytes = 0
+        self.warned_buffered = False
+
+    # ----------------------------------------------------------------- geometry
+    def stride(self, layer: int) -> int:
+        return align_up(4 * self.numels[layer])
+
+    def record_bytes(self, layer: int) -> int:
+        return 4 * self.stride(layer)
+
+    def _layer_dir(self, layer: int) -> str:
+        return os.path.join(self.directory, f"layer{layer:03d}")
+
+    def path(self, key: Key, gen: int | None = None) -> str:
+        gen = self.gen.get(key, 0) if gen is None else gen
+        return os.path.join(self._layer_dir(key[0]), f"expert{key[1]:05d}.g{gen}.bin")
+
+    @property
+    def bytes_read(self) -> int:
+        return self.io.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.io.bytes_written
+
+    def cache_bytes(self) -> int:
+        return 0 if self.pool is None else (len(self.pool) - self.pool.num_free) * \
+            self.pool.slot_bytes
+
+    # ----------------------------------------------------------------- set-up
+    def add_layer(self, numel: int, num_experts: int, init) -> None:
+        """Write the layer's files: init(e) as the master, zero moments (a sparse tail). Files
+        a previous run left there are unlinked first, never written over (a checkpoint may hold
+        links to them)."""
+        layer = len(self.numels)
+        self.numels.append(numel)
+        os.makedirs(self._layer_dir(layer), exist_ok=True)
+        for name in os.listdir(self._layer_dir(layer)):   # a previous run's files: a
+            if name.startswith("expert") and name.endswith(".bin"):   # checkpoint may link
+                os.unlink(os.path.join(self._layer_dir(layer), name))   # them: never reuse
+        stride = self.stride(layer)
+        staging = SlotPool(1, stride)
+        row_u8 = staging.slots[0]
+        row_P = row_u8[:4 * numel].view(torch.float32)
+        zeros = self._zero_crcs(stride)
+        try:
+            for e in range(num_experts):
+                key = (layer, e)
+                row_P.copy_(init(e))
+                crcs = self.io.write(self.path(key), 0, row_u8, create=True).result()
+                os.truncate(self.path(key), 4 * stride)
+                self.crcs[key] = {POS_MASTER: crcs, POS_EXP_AVG: zeros, POS_EXP_AVG_SQ: zeros}
+                self.gen[key] = 0
+        finally:
+            staging.close()
+        if not self.io.direct and not self.warned_buffered:
+            self.warned_buffered = True
+            import warnings
+            warnings.warn(f"the filesystem of {self.directory!r} refuses O_DIRECT (tmpfs?): the "
+                          "disk tier uses buffered I/O with posix_fadvise(DONTNEED) there",
+                          RuntimeWarning, stacklevel=3)
+
+    def _zero_crcs(self, stride: int) -> list[int]:
+        chunk = self.io.chunk_bytes
+        return [zlib.crc32(bytes(min(chunk, stride - s))) for s in range(0, stride, chunk)]
+
+    def _ensure_pool(self) -> None:
+        if self.pool is not None:
+            return
+        slot_bytes = max(self.record_bytes(layer) for layer in range(len(self.numels)))
+        num = self.host_cache_bytes // slot_bytes
+        assert num >= 2, "the store checks that the host cache holds two records"
+        self.pool = SlotPool(num, slot_bytes, pin=self.pin_memory)
+
+    # ----------------------------------------------------------------- views
+    def row_view(self, entry: _Entry, pos: int) -> torch.Tensor:
+        """The fp32 [P] view of row `pos` in the entry's slot."""
+        layer = entry.key[0]
+        start = pos * self.stride(layer)
+        return self.pool.slots[entry.slot][start:start + 4 * self.numels[layer]] \
+            .view(torch.float32)
+
+    def _span(self, entry: _Entry, first: int, count: int) -> torch.Tensor:
+        stride = self.stride(entry.key[0])
+        return self.pool.slots[entry.slot][first * stride:(first + count) * stride]
+
+    # ----------------------------------------------------------------- schedule
+    def set_upcoming(self, accesses: list[tuple[Key, int]]) -> None:
+        self._ensure_pool()
+        with self._lock:
+            self._upcoming, self._head, self._uses = list(accesses), 0, {}
+            for i, (key, _) in enumerate(self._upcoming):
+                self._uses.setdefault(key, deque()).append(i)
+            self._pump()
+
+    def pending_accesses(self) -> list[tuple[Key, int]]:
+        with self._lock:
+            return [a for i, a in enumerate(self._upcoming[self._head:], self._head)
+                    if self._uses.get(a[0]) and i in self._uses[a[0]]]
+
+    def _consume(self, key: Key) -> None:
+        uses = self._uses.get(key)
+        if uses:
+            uses.popleft()
+        while self._head < len(self._upcoming):
+            k = self._upcoming[self._head][0]
+            if self._uses.get(k) and self._uses[k][0] == self._head:
+                break
+            self._head += 1
+
+    def _next_use(self, key: Key) -> float:
+        uses = self._uses.get(key)
+        return uses[0] if uses else math.inf
+
+    # ----------------------------------------------------------------- access
+    def acquire(self, key: Key, rows: int) -> _Entry:
+        """The entry of key with `rows` valid, pinned until release (blocks on reads)."""
+        self._ensure_pool()
+        with self._lock:
+            self._consume(key)
+            while True:
+                entry = self._cache.get(key)
+                if entry is None:
+                    slot = self._free_slot(self._next_use(key), foreground=True)
+                    if slot is None:
+                        self._waiting += 1     # prefetch leaves freed slots to us
+                        self._changed.wait()
+                        self._waiting -= 1
+                        continue
+                    entry = self._cache[key] = _Entry(key, slot)
+                    self._peak()
+                if entry.busy is None and entry.error is not None:
+                    error, entry.error = entry.error, None
+                    self._drop_if_idle(entry)
+                    raise error
+                if entry.busy is None and not self._start_read(entry, rows):
+                    entry.pins += 1
+                    self._pump()
+                    return entry
+                entry.pins += 1     # keep it while waiting outside the lock
+                busy = entry.busy
+                self._lock.release()
+                try:
+                    try:
+                        busy.result()
+                    except BaseException:
+                        pass        # recorded on the entry by the callback
+                finally:
+                    self._lock.acquire()
+                    entry.pins -= 1
+
+    def release(self, key: Key, dirty: int = 0, grad_zero: bool = False) -> None:
+        with self._lock:
+            entry = self._cache[key]
+            assert entry.pins > 0, f"release of {key} that is not acquired"
+            entry.pins -= 1
+            entry.dirty |= dirty
+            if grad_zero:   # the accumulator was zeroed by a step: nothing to persist
+                entry.dirty &= ~G
+                self.grad_on_disk.discard(key)
+                self.crcs[key].pop(POS_GRAD, None)
+            self._changed.notify_all()
+            self._pump()
+
+    def _start_read(self, entry: _Entry, rows: int) -> bool:
+        """Start reading the rows of `rows` the entry lacks (lock held); False if none."""
+        missing = rows & ~entry.valid
+        if missing & G and entry.key not in self.grad_on_disk:
+            self.row_view(entry, POS_GRAD).zero_()     # a zero accumulator is never read
+            entry.valid |= G
+            missing &= ~G
+        if not missing:
+            return False
+        futures = [self.io.read(self.path(entry.key), first * self.stride(entry.key[0]),
+                                self._span(entry, first, count))
+                   for first, count in runs_of(missing)]
+        self._reads += 1
+        entry.busy = futures[0] if len(futures) == 1 else gather(futures)
+        entry.busy.add_done_callback(lambda f, e=entry, m=missing: self._read_done(e, m, f))
+        return True
+
+    def _read_done(self, entry: _Entry, rows: int, future: Future) -> None:
+        with self._lock:
+            self._reads -= 1
+            entry.busy = None
+            if future.exception() is not None:
+                entry.error = future.exception()
+            else:
+                entry.valid |= rows
+            self._changed.notify_all()
+            self._pump()
+
+    # ----------------------------------------------------------------- slots and eviction
+    def _free_slot(self, position: float, foreground: bool) -> int | None:
+        """A slot for a read targeting `position` (lock held): a free one, or that of the
+        idle, unpinned entry used farthest in the future (if later than position; any for a
+        foreground access). A dirty victim's write-back is started and None returned."""
+        slot = self.pool.take()
+        if slot is not None:
+            return slot
+        victim, victim_use, failed = None, -1.0, None
+        for entry in self._cache.values():
+            if entry.pins or entry.busy is not None:
+                continue
+            if entry.error is not None:
+                failed = entry
+                continue
+            use = self._next_use(entry.key)
+            if use > victim_use:
+                victim, victim_use = entry, use
+        if victim is None and failed is not None and foreground:
+            error, failed.error = failed.error, None   # e.g. a write-back that hit a full disk
+            raise error
+        if victim is None or (not foreground and victim_use <= position):
+            return None
+        if victim.dirty:
+            if self._writes < self.max_writes or foreground:
+                self._start_write(victim, evict=True)
+            return None
+        del self._cache[victim.key]
+        return victim.slot
+
+    def _drop_if_idle(self, entry: _Entry) -> None:
+        if not entry.pins and entry.busy is None and not entry.dirty:
+            del self._cache[entry.key]
+            self.pool.give(entry.slot)
+
+    def _peak(self) -> None:
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes())
+
+    def _pump(self) -> None:
+        """Issue reads for the next accesses and write-behind of finished entries (lock held)."""
+        if self.pool is None:
+            return
+        for entry in list(self._cache.values()):
+            if self._writes >= self.max_writes:
+                break
+            if entry.dirty and not entry.pins and entry.busy is None and \
+                    entry.error is None and self._next_use(entry.key) == math.inf:
+                self._start_write(entry, evict=False)
+        seen: set[Key] = set()
+        for i in range(self._head, len(self._upcoming)):
+            if self._reads >= self.max_reads:
+                break
+            key, rows = self._upcoming[i]
+            if key in seen or not (self._uses.get(key) and self._uses[key][0] == i):
+                continue
+            seen.add(key)
+            entry = self._cache.get(key)
+            if entry is not None:
+                if entry.busy is None and entry.error is None:
+                    self._start_read(entry, rows)
+                continue
+            slot = None if self._waiting else self._free_slot(i, foreground=False)
+            if slot is None:
+                break
+            entry = self._cache[key] = _Entry(key, slot)
+            self._peak()
+            if not self._start_read(entry, rows):
+                continue
+
+    # ----------------------------------------------------------------- write-back
+    def _start_write(self, entry: _Entry, evict: bool) -> None:
+        """Write the entry's dirty rows on a coordinator thread (lock held)."""
+        key = entry.key
+        cow = key in self.frozen
+        rows = entry.dirty
+        if cow:   # a new file holds everything that persists; the old one stays linked
+            rows |= STATE | (G if key in self.grad_on_disk or entry.dirty & G else 0)
+        need = rows & ~entry.valid
+        old_path = self.path(key)
+        new_gen = self.gen[key] + 1 if cow else self.gen[key]
+        try:
+            busy = self._writeback.submit(self._write_rows, entry, rows, need, old_path,
+                                          self.path(key, new_gen), cow)
+        except RuntimeError:   # shut down (interpreter exit): the entry stays dirty
+            return
+        self._writes += 1
+        entry.evict = evict
+        entry.busy = busy
+        entry.busy.add_done_callback(lambda f: self._write_done(entry, rows, new_gen, cow, f))
+
+    def _write_rows(self, entry: _Entry, rows: int, need: int, old_path: str, path: str,
+                    cow: bool) -> dict[int, list[int]]:
+        stride = self.stride(entry.key[0])
+        if need:
+            for first, count in runs_of(need):
+                self.io.read(old_path, first * stride, self._span(entry, first, count)).result()
+        try:
+            if cow:
+                self.io.close_fd(self.io.open(path, create=True))
+                os.truncate(path, 4 * stride)
+            futures = {p: self.io.write(path, p * stride, self._span(entry, p, 1))
+                       for p in rows_of(rows)}
+            return {p: f.result() for p, f in futures.items()}
+        except OSError as err:
+            raise OSError(err.errno, f"write-back of expert {entry.key}: {err.strerror}") \
+                from err
+
+    def _write_done(self, entry: _Entry, rows: int, new_gen: int, cow: bool,
+                    future: Future) -> None:
+        with self._lock:
+            self._writes -= 1
+            entry.busy = None
+            key = entry.key
+            if future.exception() is not None:
+                entry.error = future.exception()
+                entry.evict = False
+            else:
+                if cow:
+                    self.frozen.discard(key)
+                    self.gen[key] = new_gen
+                    self.crcs[key] = {}
+                    old = self.path(key, new_gen - 1)
+                    try:
+                        os.unlink(old)     # the checkpoint keeps its own link
+                    except FileNotFoundError:
+                        pass
+                self.crcs[key].update(future.result())
+                entry.valid |= rows & ~entry.valid
+                entry.dirty = 0
+                if rows & G:
+                    self.grad_on_disk.add(key)
+                if entry.evict and not entry.pins:
+                    del self._cache[key]
+                    self.pool.give(entry.slot)
+                entry.evict = False
+            self._changed.notify_all()
+            self._pump()
+
+    def flush(self, drop: bool = False) -> None:
+        """Write every dirty entry back and wait (drop: also empty the cache)."""
+        if self.pool is None:
+            return
+        with self._lock:
+            while True:
+                errors = [e for e in self._cache.values() if e.error is not None and not e.busy]
+                if errors:
+                    error, errors[0].error = errors[0].error, None
+                    raise error
+                todo = [e for e in self._cache.values()
+                        if e.dirty and not e.pins and e.busy is None]
+                busy = [e for e in self._cache.values() if e.busy is not None]
+                for entry in todo:
+                    self._start_write(entry, evict=False)
+                if not todo and not busy:
+                    break
+                self._changed.wait()
+            if drop:
+                for entry in list(self._cache.values()):
+                    self._drop_if_idle(entry)
+
+    # ----------------------------------------------------------------- checkpoints
+    def snapshot(self, link) -> dict[Key, dict]:
+        """After flush(): call link(path, key) for every expert's current file, freeze them
+        (the next write goes to a new file) and return per key its crcs and gradient flag."""
+        self.flush()
+        with self._lock:
+            out = {}
+            for key in self.gen:
+                path = self.path(key)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                link(path, key)
+                self.frozen.add(key)
+                out[key] = dict(crcs={p: list(c) for p, c in self.crcs[key].items()},
+                                grad=key in self.grad_on_disk)
+            return out
+
+    def adopt(self, key: Key, src: str, crcs: dict[int, list[int]], grad: bool) -> None:
+        """Make the (verified) file `src` the expert's current file by hard link; it stays
+        frozen, so the first write goes to a new file. The key must not be cached."""
+        with self._lock:
+            assert key not in self._cache, f"adopt of {key} while it is cached"
+            old, gen = self.path(key), self.gen[key] + 1
+            os.link(src, self.path(key, gen))
+            try:
+                os.unlink(old)
+            except FileNotFoundError:
+                pass
+            self.gen[key] = gen
+            self.frozen.add(key)
+            self.crcs[key] = {p: list(c) for p, c in crcs.items()}
+            if grad:
+                self.grad_on_disk.add(key)
+            else:
+                self.grad_on_disk.discard(key)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._writeback.shutdown(wait=True)
+            self.io.close()
+            if self.pool is not None:
+                self.pool.close()
+
+
