@@ -53,16 +53,44 @@ class GroupedExperts(nn.Module):
         self.w3_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw)) if glu else None
         self.b1_EF = nn.Parameter(torch.empty(num_experts, d_ff, **kw)) if bias else None
         self.b2_ED = nn.Parameter(torch.empty(num_experts, d_model, **kw)) if bias else None
+        # one draw of the global RNG, on any device: each expert's init comes from its own
+        # generator, so experts built on the meta device (offloaded, initialised one at a
+        # time by init_values) get the very numbers a materialised build gets
+        self.init_seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
         self.reset_parameters()
+
+    def init_values(self, e: int, std: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Expert e's initial fp32 tensors (name -> shape without the expert dim), from its own
+        generator. std: name -> standard deviation of a normal init (zeros for biases not
+        named); None: nn.Linear's default uniform init."""
+        gen = torch.Generator().manual_seed(self.init_seed + e)
+        bounds = {"w1_EDF": 1.0 / math.sqrt(self.d_model), "w2_EFD": 1.0 / math.sqrt(self.d_ff),
+                  "w3_EDF": 1.0 / math.sqrt(self.d_model), "b1_EF": 1.0 / math.sqrt(self.d_model),
+                  "b2_ED": 1.0 / math.sqrt(self.d_ff)}
+        out = {}
+        for name, p in self.named_parameters(recurse=False):
+            t = torch.empty(p.shape[1:], dtype=torch.float32)
+            if std is None:
+                t.uniform_(-bounds[name], bounds[name], generator=gen)
+            elif name in std:
+                t.normal_(0.0, std[name], generator=gen)
+            else:
+                t.zero_()
+            out[name] = t
+        return out
+
+    @torch.no_grad()
+    def init_(self, std: dict[str, float] | None = None) -> None:
+        """Initialise every expert with init_values (nothing to do on the meta device)."""
+        if self.w1_EDF.is_meta:
+            return
+        for e in range(self.num_experts):
+            for name, t in self.init_values(e, std).items():
+                getattr(self, name)[e].copy_(t)
 
     def reset_parameters(self) -> None:
         """nn.Linear's default init, per expert."""
-        in_bound, hid_bound = 1.0 / math.sqrt(self.d_model), 1.0 / math.sqrt(self.d_ff)
-        for p, bound in ((self.w1_EDF, in_bound), (self.w2_EFD, hid_bound),
-                         (self.w3_EDF, in_bound), (self.b1_EF, in_bound),
-                         (self.b2_ED, hid_bound)):
-            if p is not None:
-                nn.init.uniform_(p, -bound, bound)
+        self.init_(None)
 
     def weights(self, dtype: torch.dtype | None = None) -> FFNWeights:
         """The stacked weights, cast (differentiably) to the compute dtype."""

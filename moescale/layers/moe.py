@@ -116,13 +116,15 @@ class MoE(nn.Module):
     `experts`: None (stacked FFN/GLU experts built from d_ff/activation/glu/bias), a list of
     nn.Modules (any module mapping [N, d_model] -> [N, d_model]; lists may be heterogeneous;
     num_experts defaults to its length), or a factory `factory(e) -> nn.Module`.
+    `expert_device="meta"` builds stacked experts without memory (to be offloaded with
+    `offload_moe(..., expert_init=...)`); the router stays on `device`.
     """
 
     def __init__(self, d_model: int | None = None, num_experts: int | None = None,
                  top_k: int = 2, *, config: MoEConfig | None = None,
                  experts: Sequence[nn.Module] | Callable[[int], nn.Module] | nn.Module | None = None,
                  activation: str | Callable | None = None, dispatcher=None,
-                 device=None, dtype=None, **options) -> None:
+                 device=None, dtype=None, expert_device=None, **options) -> None:
         super().__init__()
         if config is None:
             if num_experts is None:
@@ -133,7 +135,8 @@ class MoE(nn.Module):
             config = MoEConfig(d_model=d_model, num_experts=num_experts, top_k=top_k, **options)
         self.config = config
         self.router = Router(config.d_model, config.router_config, device=device, dtype=dtype)
-        self.experts = _build_experts(config, experts, activation, device, dtype)
+        self.experts = _build_experts(config, experts, activation,
+                                      device if expert_device is None else expert_device, dtype)
         self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
         self.last_aux_loss: torch.Tensor | None = None
         self.last_stats: MoEStats | None = None

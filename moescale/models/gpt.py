@@ -177,7 +177,7 @@ class DenseFFN(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, layer: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int, expert_device=None) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg)
@@ -186,7 +186,8 @@ class Block(nn.Module):
             self.ffn = MoE(cfg.d_model, cfg.num_experts, cfg.top_k, d_ff=cfg.d_ff,
                            activation=cfg.activation, glu=cfg.glu, bias=cfg.bias,
                            router=cfg.router, capacity_factor=cfg.capacity_factor,
-                           aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
+                           aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
+                           expert_device=expert_device)
         else:
             self.ffn = DenseFFN(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -199,7 +200,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only MoE language model; see the module docstring."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, expert_device=None) -> None:
+        """expert_device="meta": the MoE layers' stacked experts take no memory; offload them
+        with offload_moe(model, ..., expert_init=model.expert_init), which gives them the values
+        a materialised build would have."""
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}; build "
@@ -207,7 +211,8 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, i, expert_device)
+                                    for i in range(config.n_layers))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -229,13 +234,19 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, GroupedExperts):
-                for p in (module.w1_EDF, module.w3_EDF):
-                    if p is not None:
-                        nn.init.normal_(p, std=std)
-                nn.init.normal_(module.w2_EFD, std=out_std)
-                for p in (module.b1_EF, module.b2_ED):
-                    if p is not None:
-                        nn.init.zeros_(p)
+                module.init_(self.expert_std())
+
+    def expert_std(self) -> dict[str, float]:
+        """Standard deviations of the expert weights' normal init (biases zero)."""
+        std = self.config.init_std
+        return {"w1_EDF": std, "w3_EDF": std, "w2_EFD": std / math.sqrt(2 * self.config.n_layers)}
+
+    def expert_init(self, layer: int, e: int, layout) -> torch.Tensor:
+        """Expert e of the layer-th MoE layer's initial values, flat in `layout` order: the
+        `expert_init` of offload_moe for a model built with expert_device="meta"."""
+        experts = [m for m in self.modules() if isinstance(m, MoE)][layer].experts
+        values = experts.init_values(e, self.expert_std())
+        return torch.cat([values[name].reshape(-1) for name in layout.names])
 
     def forward(self, idx_BS: torch.Tensor, targets_BS: torch.Tensor | None = None):
         cfg = self.config

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from moescale.offload.store import default_host_cache
 from moescale.train.checkpoint import list_checkpoints
 from moescale.train.config import RunConfig, parse_bytes
 
@@ -79,8 +80,13 @@ class LocalBackend:
 
     rank, world_size, writer = 0, 1, True
 
+    def expert_device(self) -> str | None:
+        """Where the model's stacked experts are built ("meta": nowhere; None: with the rest)."""
+        return None
+
     def prepare(self, model: torch.nn.Module) -> None:
-        """Called after the model is built and moved to its device, before the optimizer."""
+        """Called after the model is built (and, but for experts on the meta device, moved to
+        its device), before the optimizer."""
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Called with the dense optimizer once it exists."""
@@ -196,7 +202,7 @@ class OffloadBackend(LocalBackend):
                          for m in self._moes(model))   # an EP shard holds its local experts
             total = sum(16 * sum(p.numel() for p in m.experts.parameters())
                         for m in self._moes(model))
-            host_cache = max(2 * record, total // 8)
+            host_cache = default_host_cache(record, total)
         kw["host_cache_bytes"] = host_cache
         if tier == "auto":
             kw.update(tokens_per_micro_batch=tc.batch_size * tc.seq_len,
@@ -209,12 +215,19 @@ class OffloadBackend(LocalBackend):
         from moescale.layers.moe import MoE
         return [m for m in model.modules() if isinstance(m, MoE)]
 
+    def expert_device(self) -> str | None:
+        """The disk tier's experts are built on the meta device: they go straight to their
+        files (initialised one at a time), never to RAM."""
+        return "meta" if self.config.offload.mode == "disk" else None
+
     def prepare(self, model) -> None:
         from moescale.offload import offload_moe
 
         cfg = self._offload_config(model)
+        meta = any(p.is_meta for p in model.parameters())
         try:
-            self.engine = offload_moe(model, cfg)
+            self.engine = offload_moe(model, cfg,
+                                      expert_init=model.expert_init if meta else None)
         except ValueError as err:
             raise ValueError(f"offload.mode={self.config.offload.mode!r}: {err}") from None
         if self.engine.plan is not None:    # the planner's pick for tier="auto"

@@ -70,14 +70,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_model(config: RunConfig, vocab_size: int) -> GPT:
-    """The GPT MoE of `config.model` for this vocabulary and sequence length."""
+def build_model(config: RunConfig, vocab_size: int, expert_device=None) -> GPT:
+    """The GPT MoE of `config.model` for this vocabulary and sequence length (its stacked
+    experts on `expert_device` when given: "meta" for experts that go straight to disk)."""
     try:
         model_cfg = gpt_config(config.model.size, vocab_size=vocab_size,
                                seq_len=config.train.seq_len, **config.model.overrides())
     except ValueError as err:
         raise ValueError(f"model: {err}") from None
-    return GPT(model_cfg)
+    return GPT(model_cfg, expert_device=expert_device)
 
 
 def check_budget(config: RunConfig, num_params: int) -> None:
@@ -181,7 +182,9 @@ class Trainer:
         self.device = resolve_device(tc.device)
         self.data = load_data(config.data, DEFAULT_CACHE_DIR)
         torch.manual_seed(tc.seed)
-        self.model = build_model(config, self.data.vocab_size).to(self.device)
+        self.model = build_model(config, self.data.vocab_size, self.backend.expert_device())
+        if self.backend.expert_device() is None:   # else: moved once the experts are out
+            self.model.to(self.device)
         self.params = self.model.num_parameters()
         check_budget(config, self.params.total)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -194,6 +197,7 @@ class Trainer:
     def _build(self, resume: bool) -> None:
         config, tc = self.config, self.config.train
         self.backend.prepare(self.model)
+        self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.backend.attach(self.optimizer)
         self.batches = TokenBatches(self.data.train, tc.batch_size, tc.seq_len, tc.seed, "train")
