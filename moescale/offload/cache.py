@@ -21,6 +21,7 @@ Legend: P parameters of one expert.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ class DeviceCache:
         self.ema: dict[Key, float] = {}
         self.num_uploads = 0
         self.num_lookahead = 0
+        self.wait_seconds = 0.0   # time the caller waited for uploads (store reads included)
 
     def expert_bytes(self, layer: int) -> int:
         return self.store.layouts[layer].numel * torch.empty((), dtype=self.dtype).element_size()
@@ -144,7 +146,9 @@ class DeviceCache:
         issue()
         while pending:
             e, entry = pending[0]
+            start = time.perf_counter()
             weights_P = entry.wait()
+            self.wait_seconds += time.perf_counter() - start
             try:
                 yield e, weights_P
             finally:

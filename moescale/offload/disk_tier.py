@@ -101,6 +101,7 @@ class DiskTier:
         self._reads = self._writes = 0
         self._waiting = 0                         # foreground accesses waiting for a slot
         self.peak_cache_bytes = 0
+        self.grad_rows_moved = 0                  # gradient rows read or written (spills)
         self.warned_buffered = False
 
     # ----------------------------------------------------------------- geometry
@@ -273,6 +274,7 @@ class DiskTier:
             missing &= ~G
         if not missing:
             return False
+        self.grad_rows_moved += bool(missing & G)
         futures = [self.io.read(self.path(entry.key), first * self.stride(entry.key[0]),
                                 self._span(entry, first, count))
                    for first, count in runs_of(missing)]
@@ -378,6 +380,7 @@ class DiskTier:
         except RuntimeError:   # shut down (interpreter exit): the entry stays dirty
             return
         self._writes += 1
+        self.grad_rows_moved += bool(rows & G)
         entry.evict = evict
         entry.busy = busy
         entry.busy.add_done_callback(lambda f: self._write_done(entry, rows, new_gen, cow, f))

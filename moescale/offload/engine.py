@@ -45,6 +45,7 @@ from moescale.layers.moe import MoE
 from moescale.offload.auto import resolve_auto
 from moescale.offload.cache import DeviceCache
 from moescale.offload.checkpoint import load_store, save_store
+from moescale.offload.direct_io import align_up
 from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
 from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
 from moescale.offload.optimizer import STEP_MODES, AdamWConfig, HostOptimizer
@@ -334,6 +335,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
         planned = (estimates, pick)
     engine = OffloadEngine(config)
     engine.plan = planned  # (the planner's estimates, its pick) when tier was 'auto'
+    engine.store.reserve_disk(sum(_disk_bytes(m, s) for m, s in zip(moes, shards)))
     for moe, shard in zip(moes, shards):
         experts = moe.experts if shard is None else shard.local
         init = expert_init
@@ -353,6 +355,14 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
             shard.local = offloaded
     engine.finish_setup()
     return engine
+
+
+def _disk_bytes(moe: MoE, shard) -> int:
+    """Bytes of the disk tier's record files for this layer's (local) experts."""
+    experts = moe.experts if shard is None else shard.local
+    num = experts.num_experts if shard is None else len(shard.expert_ids)
+    numel = sum(p.numel() for p in experts.parameters()) // max(1, num)
+    return 4 * align_up(4 * numel) * num
 
 
 def _expert_shard(moe: MoE):

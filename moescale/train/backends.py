@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from moescale.offload.direct_io import align_up
 from moescale.offload.store import default_host_cache
 from moescale.train.checkpoint import list_checkpoints
 from moescale.train.config import RunConfig, parse_bytes
@@ -225,6 +226,8 @@ class OffloadBackend(LocalBackend):
 
         cfg = self._offload_config(model)
         meta = any(p.is_meta for p in model.parameters())
+        if cfg.tier == "disk":
+            self._check_disk_room(model)
         try:
             self.engine = offload_moe(model, cfg,
                                       expert_init=model.expert_init if meta else None)
@@ -232,6 +235,39 @@ class OffloadBackend(LocalBackend):
             raise ValueError(f"offload.mode={self.config.offload.mode!r}: {err}") from None
         if self.engine.plan is not None:    # the planner's pick for tier="auto"
             self.estimates, self.pick = self.engine.plan
+
+    def _check_disk_room(self, model) -> None:
+        """Refuse at start when the disk cannot hold the expert files and the checkpoints that
+        stop sharing them. A disk-tier checkpoint hard-links the store's files; the steps after
+        it write new ones, so each kept checkpoint of a periodic series holds a full copy
+        (one at the end only, hard-linked, costs nothing)."""
+        tc = self.config.train
+        if not self.disk_dir.is_dir():
+            return   # the store names the missing directory itself
+        state = 0
+        for m in self._moes(model):   # an EP shard holds its local experts
+            local = max(1, getattr(m.experts, "num_local_experts", m.num_experts))
+            numel = sum(p.numel() for p in m.experts.parameters()) // local
+            state += 4 * align_up(4 * numel) * local
+        periodic = 0 < tc.checkpoint_interval < tc.steps
+        copies = tc.keep_last if periodic else 0
+        ckpt_dir = self.run_dir / "checkpoints"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        same_fs = os.stat(ckpt_dir).st_dev == os.stat(self.disk_dir).st_dev
+        stale = _dir_bytes(self.disk_dir)   # a previous run's files, replaced at start
+        needs = [(self.disk_dir, state * (1 + copies) if same_fs else state, stale)]
+        if not same_fs:   # checkpoints are then copies, each a full one
+            needs.append((ckpt_dir, state * max(1, tc.keep_last), 0))
+        for where, need, reusable in needs:
+            free = shutil.disk_usage(where).free + reusable
+            if free < need:
+                raise ValueError(
+                    f"offload.mode='disk' needs {need / 2**30:.1f} GiB under {str(where)!r} "
+                    f"(expert state {state / 2**30:.1f} GiB"
+                    f"{f' x (1 + train.keep_last={copies})' if copies and same_fs else ''}) but "
+                    f"{free / 2**30:.1f} GiB are free; set train.checkpoint_interval 0 (one "
+                    "checkpoint at the end, hard-linked: no extra space), lower train.keep_last, "
+                    "or free space")
 
     def attach(self, optimizer) -> None:
         self.engine.follow(optimizer)

@@ -98,8 +98,9 @@ def test_set_upcoming_reads_ahead_without_evicting_sooner_needs(tmp_path):
     store.disk.flush()   # waits for the reads in flight
     assert set(store.disk._cache) == {(0, 4), (0, 3)}
     read_before = store.bytes_read
-    store.acquire((0, 4), M), store.release((0, 4))
+    store.acquire((0, 4), M)
     assert store.bytes_read == read_before  # already there
+    store.release((0, 4))   # now 4 is never needed again: 0 is read into its slot
     store.close()
 
 
@@ -292,6 +293,9 @@ def test_disk_tier_moves_the_minimum_bytes_per_step(tmp_path):
         engine.synchronize()
         store.flush()
     num, row = 8, 4096  # 2 layers x 4 experts, P = 1024
-    assert store.bytes_read - read0 <= num * 4 * row
-    assert store.bytes_written - written0 <= num * 3 * row
+    # the scheme: 4 rows read (master; master and moments) and 3 written per expert; with a
+    # 3-record cache the threads' timing may make a record go out and come back now and then
+    assert store.bytes_read - read0 <= num * 5 * row
+    assert store.bytes_written - written0 == num * 3 * row
+    assert store.disk.grad_rows_moved == 0 and not store.disk.grad_on_disk
     engine.close()

@@ -99,3 +99,18 @@ def test_eager_steps_without_clipping(corpus, device_only, tmp_path):
     assert Trainer(config, run_dir, out=open("/dev/null", "w")).run() == 0
     records = [r for r in _records(run_dir) if r["kind"] == "train"]
     assert len(records) == 3 and all(r["grad_norm"] is None for r in records)
+
+
+def test_disk_tier_refuses_at_start_when_checkpoints_would_not_fit(corpus, tmp_path):
+    """Experts on the meta device (nothing allocated) whose state is far larger than the free
+    disk: refused before any file is written, naming the space needed and the way out."""
+    run_dir = tmp_path / "big"
+    cfg = _config(corpus, run_dir, **{"offload.mode": "disk", "model.d_model": "2048",
+                                      "model.d_ff": "65536", "model.num_experts": "64",
+                                      "model.n_layers": "2", "model.n_heads": "4"})
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg, run_dir, out=open("/dev/null", "w")).run()
+    message = str(err.value)
+    assert "offload.mode='disk' needs" in message and "GiB are free" in message
+    assert "train.checkpoint_interval 0" in message and "\n" not in message
+    assert not list((run_dir / "expert-store").rglob("*.bin"))
