@@ -1,10 +1,14 @@
 """Disk measurements for the disk-tier benchmark, taken where the cost is paid.
 
-- `store_path_bandwidth(directory, nbytes, ...)`: read and write rates of the store's own I/O
-  path (moescale.offload.direct_io: O_DIRECT, 8 MiB chunks on the same reader/writer thread
-  pools, records of the benchmark's size with as many in flight as the store keeps);
-- `dd_bandwidth(directory, nbytes, block)`: the same file size moved by `dd` with
-  `iflag=direct` / `oflag=direct` at the store's request size (the raw reference);
+- `store_path_bandwidth(directory, cold_files, ...)`: read, write and mixed rates of the
+  store's own I/O path (moescale.offload.direct_io: O_DIRECT, 8 MiB chunks on the same
+  reader/writer thread pools, records of the benchmark's size with as many in flight as the
+  store keeps); reads come from the store's own record files, each read once, so no cache
+  (the kernel's or a virtual disk's host) can serve them: a small probe file written just
+  before is read back from the host's cache at twice the disk's rate here;
+- `dd_bandwidth(directory, cold_files, ...)`: `dd` with `iflag=direct` / `oflag=direct` at the
+  store's request size on other cold files and a scratch file (the raw reference);
+- `reset_peak_rss` / `peak_rss_bytes`: VmHWM, the peak resident set, from a point on;
 - `ProcessIO` / `DiskBusy` / `page_cache_bytes`: the process's device-level bytes
   (/proc/self/io `read_bytes`, `write_bytes`: what reached the block layer, not the page
   cache), the busy time of the directory's block device (/proc/diskstats), and the kernel's
@@ -95,6 +99,24 @@ class DiskBusy:
         return delta
 
 
+def reset_peak_rss() -> None:
+    """Start VmHWM (the peak resident set) afresh from now (Linux: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: this process's peak resident set since start or reset_peak_rss()."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def page_cache_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -103,11 +125,12 @@ def page_cache_bytes() -> int:
     return 0
 
 
-def _stream(io: DirectIO, path: str, kind: str, nbytes: int, bufs: list, inflight: int):
-    """Generator driving one request stream; yields after each submission."""
-    request = bufs[0].numel()
+def _stream(io: DirectIO, kind: str, requests: list[tuple[str, int]], bufs: list,
+            inflight: int):
+    """Generator driving one stream of (path, offset) requests of len(bufs[0]) bytes each;
+    yields after each submission, so several streams can be interleaved."""
     pending: deque = deque()
-    for i, off in enumerate(range(0, nbytes, request)):
+    for i, (path, off) in enumerate(requests):
         if len(pending) == inflight:
             pending.popleft().result()
         view = bufs[i % inflight]
@@ -118,63 +141,70 @@ def _stream(io: DirectIO, path: str, kind: str, nbytes: int, bufs: list, infligh
         pending.popleft().result()
 
 
-def store_path_bandwidth(directory: str, nbytes: int, request_bytes: int, threads: int = 4,
-                         inflight: int = 2, read_share: float = 0.5) -> dict:
-    """Bytes/s of the store's direct I/O path on files of nbytes (written once first: like the
-    store's, the timed writes go to allocated blocks): `read` alone, `write` alone (random
-    data, fsynced), and `mixed`: a read stream and a write stream at once, in the proportion
-    read_share of the bytes (as a training step moves them), aggregate."""
-    request_bytes = align_up(min(request_bytes, nbytes))
-    nbytes = max(1, nbytes // request_bytes) * request_bytes
+def _run(*streams, synced: list[str] = ()) -> float:
+    """Seconds to drain the streams (interleaved), fsyncing `synced` at the end."""
+    start = time.perf_counter()
+    active = list(streams)
+    while active:
+        for s in list(active):
+            try:
+                next(s)
+            except StopIteration:
+                active.remove(s)
+    for path in synced:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def store_path_bandwidth(directory: str, cold_files: list[str], request_bytes: int,
+                         nbytes: int, threads: int = 4, inflight: int = 2,
+                         read_share: float = 0.5) -> dict:
+    """Bytes/s of the store's direct I/O path: `read` of the first request_bytes of files
+    from `cold_files` (the store's own record files, each read once: no cache of any level can
+    have them), `write` of random data over an allocated scratch file (fsynced), and `mixed`:
+    a read stream and a write stream at once, in the proportion read_share of the bytes (as a
+    training step moves them), aggregate. Consumes the cold files it reads from the list."""
+    request_bytes = align_up(request_bytes)
+    count = max(1, nbytes // request_bytes)
     io = DirectIO(threads)
     pool = SlotPool(2 * inflight, request_bytes)
-    paths = [os.path.join(directory, f".moescale-bandwidth-{os.getpid()}-{i}.bin")
-             for i in range(2)]
+    scratch = os.path.join(directory, f".moescale-bandwidth-{os.getpid()}.bin")
     out = {}
     try:
         for b in pool.slots:
             b.random_(0, 255)
         rbufs, wbufs = pool.slots[:inflight], pool.slots[inflight:]
+        writes = [(scratch, i * request_bytes) for i in range(count)]
+        _run(_stream(io, "write", writes, wbufs, inflight))   # allocate, as the store's are
 
-        def timed(*streams, synced: str | None = None) -> float:
-            start = time.perf_counter()
-            active = list(streams)
-            while active:
-                for s in list(active):
-                    try:
-                        next(s)
-                    except StopIteration:
-                        active.remove(s)
-            if synced is not None:
-                fd = os.open(synced, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-            return time.perf_counter() - start
-
-        for path in paths:   # the store overwrites allocated blocks: so does the probe
-            for _ in _stream(io, path, "write", nbytes, wbufs, inflight):
-                pass
-        out["write"] = nbytes / timed(_stream(io, paths[0], "write", nbytes, wbufs, inflight),
-                                      synced=paths[0])
-        out["read"] = nbytes / timed(_stream(io, paths[0], "read", nbytes, rbufs, inflight))
-        read_bytes = int(nbytes * read_share) // request_bytes * request_bytes
-        write_bytes = (nbytes - read_bytes) // request_bytes * request_bytes
-        out["mixed"] = (read_bytes + write_bytes) / timed(
-            _stream(io, paths[0], "read", read_bytes, rbufs, inflight),
-            _stream(io, paths[1], "write", write_bytes, wbufs, inflight), synced=paths[1])
+        def cold(n):
+            taken = [(cold_files.pop(), 0) for _ in range(min(n, len(cold_files)))]
+            return taken
+        out["write"] = count * request_bytes / _run(
+            _stream(io, "write", writes, wbufs, inflight), synced=[scratch])
+        reads = cold(count)
+        out["read"] = len(reads) * request_bytes / _run(_stream(io, "read", reads, rbufs,
+                                                                 inflight))
+        reads = cold(int(count * read_share))
+        mixed_writes = writes[:max(1, count - len(reads))]
+        out["mixed"] = (len(reads) + len(mixed_writes)) * request_bytes / _run(
+            _stream(io, "read", reads, rbufs, inflight),
+            _stream(io, "write", mixed_writes, wbufs, inflight), synced=[scratch])
         return out
     finally:
         io.close()
         pool.close()
-        for path in paths:
-            if os.path.exists(path):
-                os.remove(path)
+        if os.path.exists(scratch):
+            os.remove(scratch)
 
 
-def dd_bandwidth(directory: str, nbytes: int, block: int) -> dict | None:
-    """Bytes/s of `dd` with direct I/O at `block` bytes per request: `write` of random data
-    (from a source file held in the page cache, over an allocated file, fsynced) and `read`
-    of it back."""
+def dd_bandwidth(directory: str, cold_files: list[str], file_bytes: int, nbytes: int,
+                 block: int) -> dict | None:
+    """Bytes/s of `dd` with direct I/O at `block` bytes per request: `read` of the first
+    file_bytes of cold files (consumed from the list, as store_path_bandwidth does), `write`
+    of random data (from a source held in the page cache) over an allocated file, fsynced."""
     src = os.path.join(directory, f".moescale-dd-src-{os.getpid()}.bin")
     path = os.path.join(directory, f".moescale-dd-{os.getpid()}.bin")
     count = max(1, nbytes // block)
@@ -185,15 +215,22 @@ def dd_bandwidth(directory: str, nbytes: int, block: int) -> dict | None:
             for _ in range(count):
                 f.write(chunk)
         shutil.copyfile(src, path)   # dd overwrites allocated blocks, as the store does
-        for kind, args in (("write", [f"if={src}", f"of={path}", "oflag=direct",
-                                      "conv=fsync,notrunc"]),
-                           ("read", [f"if={path}", "of=/dev/null", "iflag=direct"])):
-            start = time.perf_counter()
-            proc = subprocess.run(["dd", f"bs={block}", f"count={count}", *args],
-                                  capture_output=True, text=True)
+        start = time.perf_counter()
+        proc = subprocess.run(["dd", f"bs={block}", f"count={count}", f"if={src}", f"of={path}",
+                               "oflag=direct", "conv=fsync,notrunc"], capture_output=True)
+        if proc.returncode != 0:
+            return None
+        out["write"] = count * block / (time.perf_counter() - start)
+        files = [cold_files.pop() for _ in range(min(len(cold_files),
+                                                     max(1, nbytes // file_bytes)))]
+        start = time.perf_counter()
+        for f in files:
+            proc = subprocess.run(["dd", f"bs={block}", f"count={file_bytes // block}",
+                                   f"if={f}", "of=/dev/null", "iflag=direct"],
+                                  capture_output=True)
             if proc.returncode != 0:
                 return None
-            out[kind] = count * block / (time.perf_counter() - start)
+        out["read"] = len(files) * (file_bytes // block) * block / (time.perf_counter() - start)
         return out
     except FileNotFoundError:
         return None

@@ -18,8 +18,10 @@ The floor: max(compute, bytes moved / bandwidth), the bandwidth that of the stor
 path (direct I/O, same chunks, threads and requests in flight) with a read stream and a write
 stream at once in the step's proportion (the device overlaps them: the sum of read time and
 write time measured apart is reported too, and is not a floor), measured in the same run
-before and after the steps, three interleaved rounds each, the best rate seen (this disk's
-rate wanders by 2x between minutes; a floor must not be pessimistic), beside `dd`
+after the warm-up step and after the timed steps, two interleaved rounds each, the best rate seen (this disk's
+rate wanders between minutes; a floor must not be pessimistic). Reads come from the store's
+own record files, each read once (cold: a probe file written just before is served by the
+virtual disk's host cache at twice the disk's rate), beside `dd`
 with direct I/O at the store's request size (the raw reference). Compute: the same layers with 2
 resident experts and the same routed rows, plus host AdamW over every expert parameter at its
 measured rate (median of warm timings).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import shutil
 import statistics
@@ -114,15 +117,17 @@ def _compute_estimate(args) -> float:
     return statistics.median(times[2:])
 
 
-def _probe(args, request_bytes: int, read_share: float, rounds: int = 3) -> dict:
-    """The store path's read, write and mixed rates and dd's, interleaved `rounds` times;
-    the best of each (this disk's rate wanders between runs: a floor takes the best seen)."""
+def _probe(args, cold: list[str], request_bytes: int, read_share: float,
+           rounds: int = 2) -> dict:
+    """The store path's read, write and mixed rates and dd's, interleaved `rounds` times, on
+    cold record files of the store (each read once); the best of each."""
     nbytes = int(args.probe_gb * GIB)
     seen: dict[str, list[float]] = {}
     for _ in range(rounds):
-        store = disk_probe.store_path_bandwidth(args.dir, nbytes, request_bytes,
+        store = disk_probe.store_path_bandwidth(args.dir, cold, request_bytes, nbytes,
                                                 threads=args.io_threads, read_share=read_share)
-        dd = disk_probe.dd_bandwidth(args.dir, nbytes, CHUNK_BYTES) or {}
+        dd = disk_probe.dd_bandwidth(args.dir, cold, request_bytes // CHUNK_BYTES * CHUNK_BYTES,
+                                     nbytes, CHUNK_BYTES) or {}
         for key, value in [*((f"store_{k}", v) for k, v in store.items()),
                            *((f"dd_{k}", v) for k, v in dd.items())]:
             seen.setdefault(key, []).append(value)
@@ -135,7 +140,6 @@ def _child(args) -> dict:
     row = align_up(4 * _expert_params(args))
     experts = args.layers * args.experts
     read_share = (experts + 3 * experts) / (experts + 6 * experts)   # the scheme's mix
-    probes = [_probe(args, 3 * row, read_share)]
     compute_s = _compute_estimate(args)
     adam_rate = _host_adam_rate()
     torch.manual_seed(0)
@@ -152,6 +156,8 @@ def _child(args) -> dict:
         device=args.device, device_budget_experts=args.device_budget_experts,
         step_mode="eager", io_threads=args.io_threads), expert_init=init)
     init_s = time.perf_counter() - start
+    store = engine.store
+    probes = []
     model.to_empty(device=args.device)
     for moe in model.moes:
         torch.nn.init.normal_(moe.router.weight, std=0.02)
@@ -160,17 +166,20 @@ def _child(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine.follow(opt)
     x = torch.randn(args.tokens, args.d_model, device=args.device)
-    store = engine.store
     dev_io, busy = disk_probe.ProcessIO(), disk_probe.DiskBusy(args.dir)
     steps = []
     for i in range(1 + args.steps):
+        if i == 1:   # the peak of the timed steps alone (not the probes' buffers)
+            disk_probe.reset_peak_rss()
         read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.cache.wait_seconds
         cached0 = disk_probe.page_cache_bytes()
         dev_io.take(), busy.take()
+        cpu0 = os.times()
         start = time.perf_counter()
         training_step(model, x, opt, engine)
         store.flush()  # count the write-back of this step's records in this step
         elapsed = time.perf_counter() - start
+        cpu1 = os.times()
         dev_read, dev_written = dev_io.take()
         routed = [int((moe.last_stats.routed_E > 0).sum()) for moe in model.moes]
         experts = sum(store.num_experts)
@@ -180,25 +189,35 @@ def _child(args) -> dict:
             device_write_bytes=dev_written, disk_busy_s=busy.take(),
             page_cache_growth_bytes=disk_probe.page_cache_bytes() - cached0,
             upload_wait_s=engine.cache.wait_seconds - wait0,
+            user_cpu_s=cpu1.user - cpu0.user, system_cpu_s=cpu1.system - cpu0.system,
             min_read_bytes=row * (sum(routed) + 3 * experts), min_write_bytes=3 * row * experts))
         s = steps[-1]
+        if i == 0:   # the warm-up wrote every record whole: now the probe reads real files
+            cold = [store.path(k) for k in store.keys()]
+            random.Random(0).shuffle(cold)
+            probes.append(_probe(args, cold, 3 * row, read_share))
         print(f"  step {i}{' (warm-up)' if i == 0 else ''}: {elapsed:.1f} s, read "
               f"{s['bytes_read'] / GIB:.2f} GiB (device {dev_read / GIB:.2f}), written "
               f"{s['bytes_written'] / GIB:.2f} GiB (device {dev_written / GIB:.2f}), disk busy "
-              f"{s['disk_busy_s'] or 0:.1f} s, upload wait {s['upload_wait_s']:.1f} s",
+              f"{s['disk_busy_s'] or 0:.1f} s, upload wait {s['upload_wait_s']:.1f} s, CPU user "
+              f"{s['user_cpu_s']:.1f} s system {s['system_cpu_s']:.1f} s",
               flush=True)
+    steps_peak_rss = disk_probe.peak_rss_bytes()
     peak_cache = store.peak_cache_bytes
     device_peak, device_budget = engine.device.peak_bytes, engine.device.budget_bytes
     direct = store.disk.io.direct
+    cold = [store.path(k) for k in store.keys()]
+    random.Random(1).shuffle(cold)
     engine.close()
-    probes.append(_probe(args, 3 * row, read_share))
+    probes.append(_probe(args, cold, 3 * row, read_share))
     expert_params = _expert_params(args) * args.layers * args.experts
     return dict(expert_state_bytes=16 * expert_params, expert_params=expert_params,
                 row_bytes=row, init_seconds=init_s, steps=steps, probes=probes,
                 direct_io=direct, compute_resident_2experts_s=compute_s,
                 host_adam_params_per_s=adam_rate, peak_host_cache_bytes=peak_cache,
                 device_peak_bytes=device_peak, device_budget_bytes=device_budget,
-                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                steps_peak_rss_bytes=steps_peak_rss)
 
 
 def _best(probes: list[dict], key: str) -> float | None:
@@ -232,6 +251,7 @@ def _summarise(args, res: dict) -> dict:
                disk_busy_fraction=(avg("disk_busy_s") / step_s
                                    if all(s["disk_busy_s"] is not None for s in timed) else None),
                upload_wait_fraction=avg("upload_wait_s") / step_s,
+               user_cpu_s_per_step=avg("user_cpu_s"), system_cpu_s_per_step=avg("system_cpu_s"),
                store_read_bytes_per_s=read_bw, store_write_bytes_per_s=write_bw,
                store_mixed_bytes_per_s=mixed_bw, io_floor_s=io_floor,
                io_floor_additive_s=additive_floor, compute_estimate_s=compute,
@@ -297,7 +317,9 @@ def main(argv=None) -> int:
                         min(s["store_over_dd_read"], s["store_over_dd_write"])))
     print(f"\nexpert state        {res['expert_state_bytes'] / 1e9:.2f} GB "
           f"({res['expert_state_bytes'] / ram:.2f}x RAM), direct I/O {res['direct_io']}")
-    print(f"peak RSS (child)    {res['peak_rss_bytes'] / GIB:.2f} GiB")
+    print(f"peak RSS (child)    {res['peak_rss_bytes'] / GIB:.2f} GiB over the whole process "
+          f"(bandwidth probes included), {res['steps_peak_rss_bytes'] / GIB:.2f} GiB in the "
+          "timed steps")
     print(f"step (median)       {s['step_median_s']:.1f} s ({', '.join(f'{t:.1f}' for t in s['step_times_s'])}), "
           f"{s['tokens_per_s']:.1f} tokens/s")
     print(f"store per step      read {s['store_read_bytes_per_step'] / GIB:.2f} GiB, written "

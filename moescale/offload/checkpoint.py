@@ -5,7 +5,7 @@ Layout under the checkpoint directory (format "moescale-store/2"):
 
     expert-store-{tag}/manifest.json                 layouts, expert counts, and per expert:
                                                      step count, whether its gradient row is
-                                                     kept, the crc32 of every chunk of every row
+                                                     kept, the xxh3-64 of every chunk of every row
     expert-store-{tag}/layer{l:03d}/expert{e:05d}.bin  the disk tier's record file format: rows
                                                      MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, each
                                                      padded to align_up(4 P) bytes
@@ -21,7 +21,7 @@ replaces LATEST atomically and only then removes older stores; a failure removes
 directory and leaves LATEST and the checkpoint it names intact.
 
 Loading verifies before it changes anything: LATEST must name a store directory beside it (no
-path, no other run), the manifest its digest, every file of the experts to load its crcs. Any
+path, no other run), the manifest its digest, every file of the experts to load its sums. Any
 mismatch raises `StoreCheckpointError` (a ValueError) naming the file and calling it corrupt,
 so the caller can fall back to an older checkpoint. A disk-tier store then adopts the verified
 files by hard link (no copy), other stores read them. An expert-parallel rank loads its slice
@@ -43,9 +43,9 @@ import os
 import re
 import shutil
 import warnings
-import zlib
 
 import torch
+import xxhash
 
 from moescale.atomic import atomic_write_text, fsync_dir
 from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up
@@ -65,9 +65,9 @@ def _record_path(root: str, key) -> str:
     return os.path.join(root, f"layer{key[0]:03d}", f"expert{key[1]:05d}.bin")
 
 
-def _chunk_crcs(row_u8: torch.Tensor, chunk: int) -> list[int]:
+def _chunk_sums(row_u8: torch.Tensor, chunk: int) -> list[int]:
     data = memoryview(row_u8.numpy())
-    return [zlib.crc32(data[s:s + chunk]) for s in range(0, len(data), chunk)]
+    return [xxhash.xxh3_64_intdigest(data[s:s + chunk]) for s in range(0, len(data), chunk)]
 
 
 def _digest(body: dict) -> str:
@@ -93,32 +93,32 @@ def save_records(directory: str, tag: str, layouts, num_experts: list[int], read
         for layer, num in enumerate(num_experts):
             for e in range(num):
                 data_4P, step = read(layer, e)
-                entries[f"{layer},{e}"] = dict(step=float(step), grad=True, crcs=_write_record(
+                entries[f"{layer},{e}"] = dict(step=float(step), grad=True, sums=_write_record(
                     _record_path(tmp, (layer, e)), data_4P))
         return entries
     return _publish(directory, tag, layouts, num_experts, write)
 
 
 def _write_record(path: str, data_4P: torch.Tensor) -> dict:
-    """One record file (buffered, fsynced) from a [4, P] record; its crcs by row position."""
+    """One record file (buffered, fsynced) from a [4, P] record; its sums by row position."""
     numel = data_4P.shape[1]
     stride = align_up(4 * numel)
     row_u8 = torch.zeros(stride, dtype=torch.uint8)
-    crcs = {}
+    sums = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         for pos in range(4):
             row_u8[:4 * numel].view(torch.float32).copy_(data_4P[LOGICAL_POS.index(pos)])
             f.write(memoryview(row_u8.numpy()))
-            crcs[str(pos)] = _chunk_crcs(row_u8, CHUNK_BYTES)
+            sums[str(pos)] = _chunk_sums(row_u8, CHUNK_BYTES)
         f.flush()
         os.fsync(f.fileno())
-    return crcs
+    return sums
 
 
 def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
     """Hard-link a disk-tier store's files into tmp; across filesystems, copy them, checking
-    each against the crcs the store wrote (a file damaged under the store fails the save)."""
+    each against the sums the store wrote (a file damaged under the store fails the save)."""
     copies = []
 
     def link(path: str, key) -> None:
@@ -142,8 +142,8 @@ def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
                 stride = store.disk.stride(key[0])
                 record_u8 = buf.slots[0][:4 * stride]
                 store.disk.io.read(path, 0, record_u8).result()
-                for pos, crcs in snap[key]["crcs"].items():
-                    if _chunk_crcs(record_u8[pos * stride:(pos + 1) * stride], chunk) != crcs:
+                for pos, sums in snap[key]["sums"].items():
+                    if _chunk_sums(record_u8[pos * stride:(pos + 1) * stride], chunk) != sums:
                         raise OSError(errno.EIO, f"the store file {path!r} does not match what "
                                       "the store wrote (damaged on disk)")
                 with open(dest, "wb") as f:
@@ -153,7 +153,7 @@ def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
         finally:
             buf.close()
     return {f"{key[0]},{key[1]}": dict(step=store.step_of(key), grad=info["grad"],
-                                       crcs={str(p): c for p, c in info["crcs"].items()})
+                                       sums={str(p): c for p, c in info["sums"].items()})
             for key, info in snap.items()}
 
 
@@ -169,7 +169,7 @@ def _publish(directory: str, tag: str, layouts, num_experts, write) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
-        body = dict(format=FORMAT, chunk_bytes=CHUNK_BYTES,
+        body = dict(format=FORMAT, checksum="xxh3_64", chunk_bytes=CHUNK_BYTES,
                     layouts=[[[n, list(s)] for n, s in zip(lay.names, lay.shapes)]
                              for lay in layouts],
                     num_experts=list(num_experts), experts=write(tmp))
@@ -196,7 +196,7 @@ def _publish(directory: str, tag: str, layouts, num_experts, write) -> str:
 
 
 # ---------------------------------------------------------------------------- loading
-def _latest(directory: str) -> str:
+def _latest(directory: str, tag: str | None = None) -> str:
     latest = os.path.join(directory, LATEST)
     try:
         with open(latest) as f:
@@ -211,15 +211,20 @@ def _latest(directory: str) -> str:
         raise StoreCheckpointError(f"{latest!r} names {name[:200]!r}, which is not a store "
                                    f"directory beside it; the checkpoint is corrupt (or was "
                                    "edited): resume from another checkpoint")
+    if tag is not None and not re.fullmatch(rf"expert-store-{re.escape(tag)}(\.\d+)?", name):
+        raise StoreCheckpointError(f"{latest!r} names {name!r}, not the store saved with this "
+                                   f"checkpoint (tag {tag!r}); the checkpoint is corrupt (or was "
+                                   "edited): resume from another checkpoint")
     return os.path.join(directory, name)
 
 
 def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
-               total_experts: int | None = None) -> None:
+               total_experts: int | None = None, tag: str | None = None) -> None:
     """Fill `store` (same layers and experts) from the checkpoint LATEST names, after
-    verifying it. Expert-parallel shard: the checkpoint holds `total_experts` per layer and
-    the store the `store.num_experts` starting at `first_expert` (global ids)."""
-    src = _latest(directory)
+    verifying it (and, given `tag`, that it is the store saved with that tag). Expert-parallel
+    shard: the checkpoint holds `total_experts` per layer and the store the
+    `store.num_experts` starting at `first_expert` (global ids)."""
+    src = _latest(directory, tag)
     if not os.path.exists(os.path.join(src, "manifest.json")) and \
             os.path.exists(os.path.join(src, "meta.json")):
         _load_v1(store, src, first_expert, total_experts)
@@ -247,7 +252,7 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
         for key in keys:
             info = infos[key]
             store.disk.adopt(key, _record_path(src, (key[0], first_expert + key[1])),
-                             {int(p): c for p, c in info["crcs"].items()}, info["grad"])
+                             {int(p): c for p, c in info["sums"].items()}, info["grad"])
             _set_step(store, key, info["step"])
         return
     for key in keys:   # copy the verified files into the store
@@ -260,7 +265,8 @@ def _read_manifest(src: str) -> dict:
         with open(path) as f:
             doc = json.load(f)
         body = doc["body"]
-        ok = doc.get("sha256") == _digest(body) and body.get("format") == FORMAT
+        ok = doc.get("sha256") == _digest(body) and body.get("format") == FORMAT and \
+            body.get("checksum") == "xxh3_64"
     except FileNotFoundError:
         raise StoreCheckpointError(f"{path!r} is missing; the checkpoint is incomplete or "
                                    "corrupt") from None
@@ -274,7 +280,7 @@ def _read_manifest(src: str) -> dict:
 
 
 def _verify(store, src, keys, infos, first_expert, chunk) -> None:
-    """Read every file of `keys` and compare its crcs (direct I/O, no page cache)."""
+    """Read every file of `keys` and compare its sums (direct I/O, no page cache)."""
     io = DirectIO(threads=2, chunk_bytes=chunk)
     biggest = max(align_up(4 * store.layouts[k[0]].numel) for k in keys) if keys else 4096
     buf = SlotPool(1, biggest)
@@ -282,7 +288,7 @@ def _verify(store, src, keys, infos, first_expert, chunk) -> None:
         for key in keys:
             path = _record_path(src, (key[0], first_expert + key[1]))
             stride = align_up(4 * store.layouts[key[0]].numel)
-            crcs = infos[key]["crcs"]
+            sums = infos[key]["sums"]
             rows = STATE | (G if infos[key]["grad"] else 0)
             for pos in rows_of(rows):
                 row_u8 = buf.slots[0][:stride]
@@ -292,7 +298,7 @@ def _verify(store, src, keys, infos, first_expert, chunk) -> None:
                     raise StoreCheckpointError(f"expert file {path!r} cannot be read "
                                                f"({err.strerror or err}); the checkpoint is "
                                                "corrupt or incomplete") from err
-                if _chunk_crcs(row_u8, chunk) != crcs.get(str(pos)):
+                if _chunk_sums(row_u8, chunk) != sums.get(str(pos)):
                     raise StoreCheckpointError(f"expert file {path!r} does not match its "
                                                "checksum; the checkpoint is corrupt")
     finally:

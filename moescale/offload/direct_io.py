@@ -11,7 +11,8 @@ bypass the page cache, split into chunks and served by thread pools.
   it. Files are opened with `O_DIRECT`; where the filesystem refuses it (tmpfs), the I/O is
   buffered and followed by `posix_fadvise(DONTNEED)` so that the page cache does not keep
   what was moved, and `direct` is False (the store says so once). Every write returns the
-  crc32 of each chunk it wrote, in offset order (the store's checkpoint manifest keeps them).
+  xxh3-64 checksum of each chunk it wrote, in offset order (the store's checkpoint manifest
+  keeps them; xxh3 runs at ~14 GB/s here, crc32 at 2.5 GB/s would cost a core at disk speed).
 
 Offsets, lengths and buffer addresses are multiples of `ALIGN` (4096: the largest logical block
 size of common devices), as O_DIRECT requires.
@@ -25,10 +26,10 @@ import errno
 import mmap
 import os
 import threading
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import xxhash
 
 ALIGN = 4096
 CHUNK_BYTES = 8 << 20
@@ -152,7 +153,7 @@ class DirectIO:
 
     def write(self, path: str, offset: int, view: torch.Tensor, create: bool = False
               ) -> Future:
-        """Write `view` to path at offset; Future of the chunks' crc32s in offset order."""
+        """Write `view` to path at offset; Future of the chunks' xxh3-64 sums in offset order."""
         return self._submit(self._writers, self._write_piece, path, offset, view, create)
 
     def _submit(self, pool, piece, path, offset, view, *extra) -> Future:
@@ -185,7 +186,7 @@ class DirectIO:
 
     def _write_piece(self, fd: int, path: str, offset: int, view: torch.Tensor) -> int:
         buf = memoryview(view.numpy())
-        crc = zlib.crc32(buf)
+        digest = xxhash.xxh3_64_intdigest(buf)
         done = 0
         try:
             while done < len(buf):
@@ -202,7 +203,7 @@ class DirectIO:
                 from err
         with self._count:
             self.bytes_written += done
-        return crc
+        return digest
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)

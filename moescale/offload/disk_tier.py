@@ -19,8 +19,8 @@ on coordinator threads; the lock is never held across I/O.
 Files are versioned (`expert00001.g{n}.bin`): a checkpoint hard-links the current files
 (`snapshot`), after which the next write of an expert goes to a new file (copy on write, the
 rows the slot lacks read from the linked file first), so a checkpoint never copies the state
-and never sees a later step. Every write records the crc32 of each chunk of each row it wrote;
-`snapshot` hands them to the checkpoint manifest.
+and never sees a later step. Every write records the xxh3-64 checksum of each chunk of each
+row it wrote; `snapshot` hands them to the checkpoint manifest.
 
 Deliberately not here: the host tier and the record API (store.py), direct I/O (direct_io.py),
 the checkpoint format (checkpoint.py).
@@ -33,12 +33,12 @@ from __future__ import annotations
 import math
 import os
 import threading
-import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from moescale.offload.direct_io import DirectIO, SlotPool, align_up, gather
 
@@ -94,7 +94,7 @@ class DiskTier:
         self.gen: dict[Key, int] = {}             # file generation of each expert
         self.frozen: set[Key] = set()             # files linked by a checkpoint
         self.grad_on_disk: set[Key] = set()       # the file's gradient row is current
-        self.crcs: dict[Key, dict[int, list[int]]] = {}   # row position -> chunk crc32s
+        self.sums: dict[Key, dict[int, list[int]]] = {}   # row position -> chunk xxh3-64s
         self._upcoming: list[tuple[Key, int]] = []
         self._head = 0
         self._uses: dict[Key, deque[int]] = {}
@@ -145,14 +145,14 @@ class DiskTier:
         staging = SlotPool(1, stride)
         row_u8 = staging.slots[0]
         row_P = row_u8[:4 * numel].view(torch.float32)
-        zeros = self._zero_crcs(stride)
+        zeros = self._zero_sums(stride)
         try:
             for e in range(num_experts):
                 key = (layer, e)
                 row_P.copy_(init(e))
-                crcs = self.io.write(self.path(key), 0, row_u8, create=True).result()
+                sums = self.io.write(self.path(key), 0, row_u8, create=True).result()
                 os.truncate(self.path(key), 4 * stride)
-                self.crcs[key] = {POS_MASTER: crcs, POS_EXP_AVG: zeros, POS_EXP_AVG_SQ: zeros}
+                self.sums[key] = {POS_MASTER: sums, POS_EXP_AVG: zeros, POS_EXP_AVG_SQ: zeros}
                 self.gen[key] = 0
         finally:
             staging.close()
@@ -163,9 +163,10 @@ class DiskTier:
                           "disk tier uses buffered I/O with posix_fadvise(DONTNEED) there",
                           RuntimeWarning, stacklevel=3)
 
-    def _zero_crcs(self, stride: int) -> list[int]:
+    def _zero_sums(self, stride: int) -> list[int]:
         chunk = self.io.chunk_bytes
-        return [zlib.crc32(bytes(min(chunk, stride - s))) for s in range(0, stride, chunk)]
+        return [xxhash.xxh3_64_intdigest(bytes(min(chunk, stride - s)))
+                for s in range(0, stride, chunk)]
 
     def _ensure_pool(self) -> None:
         if self.pool is not None:
@@ -261,7 +262,7 @@ class DiskTier:
             if grad_zero:   # the accumulator was zeroed by a step: nothing to persist
                 entry.dirty &= ~G
                 self.grad_on_disk.discard(key)
-                self.crcs[key].pop(POS_GRAD, None)
+                self.sums[key].pop(POS_GRAD, None)
             self._changed.notify_all()
             self._pump()
 
@@ -415,13 +416,13 @@ class DiskTier:
                 if cow:
                     self.frozen.discard(key)
                     self.gen[key] = new_gen
-                    self.crcs[key] = {}
+                    self.sums[key] = {}
                     old = self.path(key, new_gen - 1)
                     try:
                         os.unlink(old)     # the checkpoint keeps its own link
                     except FileNotFoundError:
                         pass
-                self.crcs[key].update(future.result())
+                self.sums[key].update(future.result())
                 entry.valid |= rows & ~entry.valid
                 entry.dirty = 0
                 if rows & G:
@@ -458,7 +459,7 @@ class DiskTier:
     # ----------------------------------------------------------------- checkpoints
     def snapshot(self, link) -> dict[Key, dict]:
         """After flush(): call link(path, key) for every expert's current file, freeze them
-        (the next write goes to a new file) and return per key its crcs and gradient flag."""
+        (the next write goes to a new file) and return per key its sums and gradient flag."""
         self.flush()
         with self._lock:
             out = {}
@@ -471,11 +472,11 @@ class DiskTier:
                     os.close(fd)
                 link(path, key)
                 self.frozen.add(key)
-                out[key] = dict(crcs={p: list(c) for p, c in self.crcs[key].items()},
+                out[key] = dict(sums={p: list(c) for p, c in self.sums[key].items()},
                                 grad=key in self.grad_on_disk)
             return out
 
-    def adopt(self, key: Key, src: str, crcs: dict[int, list[int]], grad: bool) -> None:
+    def adopt(self, key: Key, src: str, sums: dict[int, list[int]], grad: bool) -> None:
         """Make the (verified) file `src` the expert's current file by hard link; it stays
         frozen, so the first write goes to a new file. The key must not be cached."""
         with self._lock:
@@ -488,7 +489,7 @@ class DiskTier:
                 pass
             self.gen[key] = gen
             self.frozen.add(key)
-            self.crcs[key] = {p: list(c) for p, c in crcs.items()}
+            self.sums[key] = {p: list(c) for p, c in sums.items()}
             if grad:
                 self.grad_on_disk.add(key)
             else:

@@ -296,12 +296,14 @@ class OffloadEngine:
         return save_store(self.store, directory, tag)
 
     def load_checkpoint(self, directory: str, first_expert: int = 0,
-                        total_experts: int | None = None) -> None:
+                        total_experts: int | None = None, tag: str | None = None) -> None:
         """Restore the expert store from the last complete checkpoint under directory (an
-        expert-parallel rank: its experts from `first_expert` of `total_experts` per layer)."""
+        expert-parallel rank: its experts from `first_expert` of `total_experts` per layer),
+        verified first: a corrupt one raises StoreCheckpointError and changes nothing. `tag`:
+        the store must be the one saved with that tag."""
         self.synchronize()
         self.cache.clear()
-        load_store(self.store, directory, first_expert, total_experts)
+        load_store(self.store, directory, first_expert, total_experts, tag)
 
     def close(self) -> None:
         self.synchronize()

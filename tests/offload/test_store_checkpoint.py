@@ -214,7 +214,7 @@ def test_checkpoint_that_runs_out_of_space_leaves_the_last_one_intact(tmp_path):
 
 
 def test_copy_to_another_filesystem_refuses_a_damaged_store_file(tmp_path):
-    """Across filesystems the records are copied and checked against the crcs the store
+    """Across filesystems the records are copied and checked against the checksums the store
     wrote: a file damaged under the store fails the save, the last checkpoint intact."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
