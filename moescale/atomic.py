@@ -3,18 +3,23 @@
 `atomic_path(final)` hands out a temporary path in the same directory; when the block ends
 without an exception the file is fsynced, renamed over `final` with `os.replace` (atomic on
 POSIX and Windows) and the directory is fsynced, so either the old or the new file exists,
-whole. On an exception the temporary file is removed and `final` is untouched. This module
-does not decide formats; callers write whatever they like to the temporary path.
+whole. On an exception the temporary file is removed and `final` is untouched; only a kill
+(SIGKILL, power loss) leaves one behind, which `is_temp_name` recognises for a later sweep.
+This module does not decide formats; callers write whatever they like to the temporary path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+_TEMP_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")   # mkstemp(prefix=".<name>.", suffix=".tmp")
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -46,10 +51,15 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    finally:
-        if tmp.exists():
+    finally:   # a folder turned read-only keeps it (the next start's sweep removes it); the
+        with contextlib.suppress(OSError):   # error that got us here is the one to report
             tmp.unlink()
     fsync_dir(final.parent)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether `name` is one of atomic_path's temporary files (only a kill leaves one)."""
+    return _TEMP_NAME.fullmatch(name) is not None
 
 
 def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:

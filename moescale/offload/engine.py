@@ -259,6 +259,18 @@ class OffloadEngine:
     def step(self) -> None:
         """End of an iteration: step every expert not stepped yet (returns at once)."""
         self.optimizer.step_all(grad_coef=self._grad_coef)
+        self._end_iteration()
+
+    def skip_step(self) -> None:
+        """End an iteration without stepping: every expert's accumulated gradient is discarded
+        (a training loop's guard against a non-finite loss or gradient norm). In eager mode
+        the experts whose steps already ran during backward stay stepped (their gradients were
+        finite: the host optimizer refuses the others)."""
+        self.zero_grad()
+        self.optimizer.end_iteration_unstepped()
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
         self._grad_coef = None
         self.last_micro_batch = True
         self._trace.clear()

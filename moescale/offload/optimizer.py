@@ -15,6 +15,11 @@ submission order. Modes:
 Every expert steps every iteration, as torch.optim.AdamW does for a stacked expert parameter
 (experts without tokens get a zero gradient: their moments decay and weight decay applies).
 
+No expert steps with a non-finite gradient: every step first checks each expert's gradient norm
+and refuses (counts in `skipped_steps`, drops the gradient) one that is not finite or whose
+square would overflow float32. This is the eager mode's share of the training loop's step guard
+(moescale/train/guard.py): there the step's global norm is not known when experts step.
+
 Fences: `step_fence(key)` is the future of the expert's last queued step; a device upload of
 that expert waits on it, so a forward never reads a master whose step is still running.
 
@@ -24,6 +29,7 @@ Deliberately not here: dense parameters (the user's own optimizer), gradient sca
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +43,7 @@ from moescale.offload.disk_tier import ALL, G, STATE
 from moescale.offload.store import ExpertStore, Key
 
 IMPLS = ("single", "foreach", "fused")
+OVERFLOW_NORM = math.sqrt(torch.finfo(torch.float32).max)   # ~1.8e19: its square overflows
 STEP_MODES = ("eager", "deferred")
 
 
@@ -77,6 +84,7 @@ class HostOptimizer:
         self._stepped: set[Key] = set()
         self._follow = None
         self.step_seconds = 0.0
+        self.skipped_steps = 0     # expert steps refused for a non-finite gradient
 
     # ----------------------------------------------------------------- hyper-parameters
     def follow(self, dense_optimizer: torch.optim.Optimizer | None) -> None:
@@ -139,22 +147,35 @@ class HostOptimizer:
             if on_done is not None:
                 on_done()
 
+    def _steppable(self, grad_P: torch.Tensor) -> bool:
+        """Whether an expert may step with this gradient: finite, and small enough that its
+        square (AdamW's second moment) stays finite in float32. If not, the step is refused
+        and counted in `skipped_steps`; the caller drops the gradient."""
+        norm = float(torch.linalg.vector_norm(grad_P))
+        if math.isfinite(norm) and norm < OVERFLOW_NORM:
+            return True
+        self.skipped_steps += 1
+        return False
+
     def _step(self, keys: Sequence[Key], hp: dict, grad_coef: float | None) -> None:
         start = time.perf_counter()
         recs = [self.store.acquire(k) for k in keys]
         try:
+            stepped = [r for r in recs if self._steppable(r.grad_P)]
             if grad_coef is not None:
-                for r in recs:
+                for r in stepped:
                     r.grad_P.mul_(grad_coef)
             impl = self.config.impl
-            adamw([r.master_P for r in recs], [r.grad_P for r in recs],
-                  [r.exp_avg_P for r in recs], [r.exp_avg_sq_P for r in recs], [],
-                  [r.step_t for r in recs], foreach=impl == "foreach",
-                  fused=impl == "fused" or None, amsgrad=False, beta1=hp["betas"][0],
-                  beta2=hp["betas"][1], lr=hp["lr"], weight_decay=hp["weight_decay"],
-                  eps=hp["eps"], maximize=False)
+            if stepped:
+                adamw([r.master_P for r in stepped], [r.grad_P for r in stepped],
+                      [r.exp_avg_P for r in stepped], [r.exp_avg_sq_P for r in stepped], [],
+                      [r.step_t for r in stepped], foreach=impl == "foreach",
+                      fused=impl == "fused" or None, amsgrad=False, beta1=hp["betas"][0],
+                      beta2=hp["betas"][1], lr=hp["lr"], weight_decay=hp["weight_decay"],
+                      eps=hp["eps"], maximize=False)
             for r in recs:
                 r.grad_P.zero_()
+            for r in stepped:
                 self.store.bump_version(r.key)
         finally:
             for k in keys:
@@ -200,6 +221,12 @@ class HostOptimizer:
                 for k in chunk:
                     self._step_fence[k] = future
                     self._last_task[k] = future
+        with self._lock:
+            self._stepped.clear()
+
+    def end_iteration_unstepped(self) -> None:
+        """End an iteration without stepping the experts not stepped yet (the caller has
+        discarded their gradients): the next iteration starts afresh."""
         with self._lock:
             self._stepped.clear()
 

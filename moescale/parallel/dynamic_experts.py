@@ -230,10 +230,11 @@ def owned_experts(layer: SharedStoreExperts, rank: int, size: int) -> list[int]:
 
 def step_shared_experts(layers: Sequence[SharedStoreExperts], group, *, lr: float,
                         betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                        grad_coef: float | None = None) -> int:
+                        grad_coef: float | None = None, skip: bool = False) -> int:
     """Barrier, AdamW step of the experts this rank owns (every expert of every layer is
     stepped by exactly one rank), zeroed accumulators, barrier. Returns how many this rank
-    stepped. Call it on every rank after the iteration's last backward."""
+    stepped. Call it on every rank after the iteration's last backward. skip=True: the same
+    with no step (the accumulators are only zeroed; a training loop's guard skipped it)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     with collective_errors("barrier before the expert steps", group):
         dist.barrier(group=group)
@@ -246,14 +247,15 @@ def step_shared_experts(layers: Sequence[SharedStoreExperts], group, *, lr: floa
         if grad_coef is not None:
             for r in recs:
                 r.grad_P.mul_(grad_coef)
-        adamw([r.master_P for r in recs], [r.grad_P for r in recs],
-              [r.exp_avg_P for r in recs], [r.exp_avg_sq_P for r in recs], [],
-              [r.step_t for r in recs], fused=True, amsgrad=False, beta1=betas[0],
-              beta2=betas[1], lr=float(lr), weight_decay=weight_decay, eps=eps,
-              maximize=False)
+        if not skip:
+            adamw([r.master_P for r in recs], [r.grad_P for r in recs],
+                  [r.exp_avg_P for r in recs], [r.exp_avg_sq_P for r in recs], [],
+                  [r.step_t for r in recs], fused=True, amsgrad=False, beta1=betas[0],
+                  beta2=betas[1], lr=float(lr), weight_decay=weight_decay, eps=eps,
+                  maximize=False)
+            stepped += len(recs)
         for r in recs:
             r.grad_P.zero_()
-        stepped += len(recs)
     with collective_errors("expert step fence (barrier)", group):
         dist.barrier(group=group)
     return stepped

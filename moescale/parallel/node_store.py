@@ -4,15 +4,21 @@ Under torchrun no parent process exists to build a shared `ExpertStore` and hand
 the ranks (what `shared_expert_store` + `run_local` do in tests), so `node_expert_store(moes,
 group)` does it collectively, with a file in /dev/shm (tmpfs, i.e. RAM):
 
-  1. rank 0 of the group checks the free space, creates
-     `moescale-store-node<node>-<pid>-<random>.bin` exclusively (O_EXCL), sized for every layer's [E, 4, P] records and [E] step counts,
-     maps it (`torch.from_file(shared=True)`: MAP_SHARED) and writes the fp32 masters of its
-     model's GroupedExperts (gradients, moments and steps start at zero);
-  2. it broadcasts the file name (or its error, so no rank waits for a file that never came);
+  1. rank 0 of the group removes the stores of dead owners (`sweep_stale_stores`: the files a
+     SIGKILLed run left), picks the name `moescale-store-node<node>-<pid>-<random>-<host>.bin`
+     and broadcasts it BEFORE the file exists, so from then on every rank knows what to clean;
+  2. rank 0 checks the free space, creates the file exclusively (O_EXCL), sized for every
+     layer's [E, 4, P] records and [E] step counts, maps it (`torch.from_file(shared=True)`:
+     MAP_SHARED) and writes the fp32 masters of its model's GroupedExperts (gradients,
+     moments and steps start at zero); it broadcasts "ok" (or its error, so no rank waits for
+     a file that never came);
   3. the other ranks map the same file; a barrier;
-  4. rank 0 unlinks the name. The mappings outlive it, so the memory goes back to the system
-     when the last rank exits, however it exits, and nothing is left in /dev/shm. On an error
-     between 1 and 4, rank 0 still removes the file.
+  4. every rank removes the name. The mappings outlive it, so the memory goes back to the
+     system when the last rank exits, however it exits, and nothing is left in /dev/shm.
+     On any failure between 1 and 4 (an error, SIGTERM, a peer's death seen by a collective)
+     every surviving rank removes it too: SIGKILL of rank 0 during set-up is cleaned by rank 1,
+     and only SIGKILL of every rank at once leaves a file, which the next start removes (its
+     owner pid is dead).
 
 File layout, all float32: layer 0's data_E4P, layer 0's steps_E, layer 1's data_E4P, ...
 Every rank must start from identical experts (same seed); only rank 0's are read. The group's
@@ -26,10 +32,13 @@ Not here: the store's semantics (offload/store.py), the experts computed on it
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
 import secrets
 import shutil
+import socket
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +54,7 @@ from moescale.parallel.dynamic_experts import (
 )
 
 DEFAULT_DIRECTORY = "/dev/shm"
+_NAME = re.compile(r"moescale-store-node\d+-(?P<pid>\d+)-[0-9a-f]{12}(?:-(?P<host>.+))?\.bin")
 
 
 def _views(flat: torch.Tensor, layouts: Sequence[ExpertLayout],
@@ -89,35 +99,78 @@ def node_expert_store(moes: Sequence[MoE], group=None,
     numel = sum(E * (4 * lay.numel + 1) for lay, E in zip(layouts, num_experts))
     rank = dist.get_rank(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    path, flat, message = None, None, None
+    path, flat = None, None
     try:
+        box = [None]
         if rank == 0:
-            path = os.path.join(directory, f"moescale-store-node{node}-{os.getpid()}-"
-                                f"{secrets.token_hex(6)}.bin")
+            sweep_stale_stores(directory)      # what killed runs left behind
+            box = [store_name(directory, node)]
+        with collective_errors("shared-store name broadcast", group):
+            dist.broadcast_object_list(box, src=src, group=group)
+        path = box[0]        # from here on every rank removes the file if set-up fails
+        message = ("ok", "")
+        if rank == 0:
             try:
                 flat = _create(path, numel, directory)
                 for x, (data_E4P, _) in zip(experts, _views(flat, layouts, num_experts)):
                     for e in range(x.num_experts):
                         data_E4P[e, MASTER].copy_(expert_master(x, e))
-                message = ("ok", path)
             except (OSError, ValueError) as err:
                 message = ("error", f"rank {src} could not create the shared expert store: {err}")
-                box = [message]
-                with collective_errors("shared-store name broadcast", group):
-                    dist.broadcast_object_list(box, src=src, group=group)
-                raise
         box = [message]
-        with collective_errors("shared-store name broadcast", group):
+        with collective_errors("shared-store status broadcast", group):
             dist.broadcast_object_list(box, src=src, group=group)
         status, text = box[0]
         if status != "ok":
             raise ValueError(text)
         if rank != 0:
-            flat = torch.from_file(text, shared=True, size=numel, dtype=torch.float32)
+            flat = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
         with collective_errors("shared-store mapping barrier", group):
             dist.barrier(group=group)
-    finally:
-        if path is not None and os.path.exists(path):
-            os.remove(path)
+    finally:       # success: every rank has mapped it; failure: nobody will
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     return ExpertStore.attach(StoreConfig(tier="host", shared_memory=True), layouts,
                               _views(flat, layouts, num_experts))
+
+
+def store_name(directory: str, node: int) -> str:
+    """A fresh store path that names its owner: node, pid and host (for `sweep_stale_stores`)."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return os.path.join(directory, f"moescale-store-node{node}-{os.getpid()}-"
+                        f"{secrets.token_hex(6)}-{host}.bin")
+
+
+def _owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True          # another user's process
+    try:                     # a zombie (killed, not yet reaped) holds no mapping
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def sweep_stale_stores(directory: str) -> list[str]:
+    """Remove the store files in `directory` whose owner (the pid in the name, on this host)
+    is dead: what SIGKILLed runs left behind (a live run's file is never touched; it exists
+    only while its ranks map it). Returns the names removed."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None or m.group("host") not in (None, host) or _owner_alive(int(m.group("pid"))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+    return removed

@@ -104,6 +104,17 @@ class LocalBackend:
     def step_experts(self) -> None:
         """Called just before the dense optimizer steps."""
 
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Called with each micro-batch's loss before its backward."""
+
+    def expert_skips(self) -> int:
+        """Expert steps this rank's host optimizer refused so far (non-finite gradients)."""
+        return 0
+
+    def skip_step(self) -> None:
+        """Called instead of step_experts when the step guard skips the step: discard this
+        step's expert gradients (the trainer discards the dense ones)."""
+
     def step_metrics(self, model, counts_LE: list[list[int]]) -> dict:
         """Extra numbers for the step's metrics record (counts_LE: the step's routed tokens
         per expert of every MoE layer, over all ranks)."""
@@ -177,6 +188,7 @@ class OffloadBackend(LocalBackend):
         self.engine = None
         self.pick = None
         self.estimates = None
+        self._held = False      # eager: a non-finite loss this step, no expert steps
 
     def _offload_config(self, model):
         from moescale.offload import OffloadConfig
@@ -283,15 +295,31 @@ class OffloadBackend(LocalBackend):
                                if k.rpartition(".")[0] not in offloaded})
 
     def begin_micro_batch(self, last: bool) -> None:
-        self.engine.begin_micro_batch(last=last)
+        self.engine.begin_micro_batch(last=last and not self._held)
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Eager mode: a non-finite loss holds this step's expert steps (the guard skips it)."""
+        if self.engine.config.step_mode == "eager" and not bool(torch.isfinite(loss).all()):
+            self._held = True
+            self.engine.begin_micro_batch(last=False)
 
     def clip(self, model, max_norm: float) -> float | None:
         if self.engine.config.step_mode == "deferred":
             return self.engine.clip_grad_norm_(model.parameters(), max_norm)
         return None      # eager: experts stepped during backward (grad_clip is 0)
 
+    def expert_skips(self) -> int:
+        if self.engine.config.step_mode == "eager":
+            self.engine.optimizer.wait_all()     # the steps queued during backward
+        return self.engine.optimizer.skipped_steps
+
     def step_experts(self) -> None:
+        self._held = False
         self.engine.step()
+
+    def skip_step(self) -> None:
+        self._held = False
+        self.engine.skip_step()
 
     def _store_dir(self, ckpt_dir: Path, step: int) -> Path:
         return ckpt_dir / f"store_{step:08d}"

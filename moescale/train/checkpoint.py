@@ -11,6 +11,12 @@ checkpoints are kept. Loading verifies the checksum; a truncated or corrupted fi
 `CheckpointError` with the path and the reason, and `load_latest` then falls back to the
 previous checkpoint (reporting what it skipped), never deleting the bad file itself.
 
+No checkpoint holds NaN or Inf: `save_checkpoint` refuses such tensors before writing anything
+(`NonFiniteError`), and loading refuses them too (a file written before this check, by a
+diverged run), so `load_latest` falls back to the previous checkpoint. A kill mid-write leaves
+temp files (ours, safetensors' `.tmpXXXXXX`, partial `*.tmp` store directories); the next
+start removes them with `sweep_temp_files`.
+
 This file knows nothing of the training loop beyond "a dict of tensors plus a JSON state".
 """
 
@@ -20,19 +26,25 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from moescale.atomic import atomic_path
+from moescale.atomic import atomic_path, is_temp_name
 
 _NAME = re.compile(r"ckpt_(\d{8})\.safetensors")
+_SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")   # save_file's temp, renamed when done
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted (truncated, corrupted, or not ours)."""
+
+
+class NonFiniteError(CheckpointError):
+    """Tensors holding NaN or Inf: never written, never loaded."""
 
 
 def _digest(state_json: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -58,9 +70,29 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    """(name, count) of the first floating tensor, in name order, holding NaN or Inf."""
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name, int((~torch.isfinite(t)).sum())
+    return None
+
+
+def check_finite(tensors: dict[str, torch.Tensor], step: int) -> None:
+    """NonFiniteError unless every floating tensor of step `step`'s checkpoint is finite."""
+    found = nonfinite(tensors)
+    if found is not None:
+        raise NonFiniteError(f"refusing to write the checkpoint of step {step}: {found[0]} "
+                             f"holds {found[1]:,} non-finite values (NaN or Inf); the "
+                             "checkpoints already written are left as they are")
+
+
 def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
                     state: dict, keep_last: int) -> Path:
-    """Write `ckpt_<step>` atomically, then drop all but the newest `keep_last`."""
+    """Write `ckpt_<step>` atomically, then drop all but the newest `keep_last`. Refuses
+    (NonFiniteError, nothing written) when a floating tensor holds NaN or Inf."""
+    check_finite(tensors, step)
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
@@ -75,10 +107,45 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Te
     meta = {"state": state_json, "sha256": _digest(state_json, tensors), "format": "moescale/1"}
     final = checkpoint_path(ckpt_dir, step)
     with atomic_path(final) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+        except SafetensorError as err:   # its I/O errors (disk full, read-only) as OSError
+            code = re.search(r"os error (\d+)", str(err))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(final)) \
+                from None
     for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return final
+
+
+def sweep_temp_files(run_dir: str | Path) -> tuple[int, int]:
+    """Remove what killed writers left in a run directory and its checkpoints folder (files
+    of atomic_path, safetensors' own `.tmpXXXXXX`, partial `*.tmp` directories); returns
+    (entries removed, bytes freed). Run it before the run writes anything: a temp name
+    belongs to no live writer then."""
+    run_dir = Path(run_dir)
+    found: list[Path] = [p for p in run_dir.iterdir() if p.is_file() and _is_temp(p.name)] \
+        if run_dir.is_dir() else []
+    ckpt_dir = run_dir / "checkpoints"
+    for root, dirs, files in os.walk(ckpt_dir) if ckpt_dir.is_dir() else ():
+        found += [Path(root, d) for d in dirs if d.endswith(".tmp")]
+        dirs[:] = [d for d in dirs if not d.endswith(".tmp")]
+        found += [Path(root, f) for f in files if _is_temp(f)]
+    freed = 0
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            freed += path.lstat().st_size
+            path.unlink(missing_ok=True)
+    return len(found), freed
+
+
+def _is_temp(name: str) -> bool:
+    return is_temp_name(name) or _SAFETENSORS_TMP.fullmatch(name) is not None
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -97,6 +164,11 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if _digest(meta["state"], tensors) != meta["sha256"]:
         raise CheckpointError(f"checkpoint {str(path)!r} failed its checksum (corrupted); "
                               "it is left in place and not used")
+    found = nonfinite(tensors)
+    if found is not None:    # written before the step guard existed: a diverged run's state
+        raise NonFiniteError(f"checkpoint {str(path)!r} holds non-finite values ({found[0]}: "
+                             f"{found[1]:,} NaN or Inf, a diverged run's state); it is left "
+                             "in place and not used")
     return tensors, json.loads(meta["state"])
 
 

@@ -12,12 +12,20 @@ config field; `--help` lists them all with their defaults. A user error raises V
 `moescale.cli` prints as one line with exit code 2. With `--resume RUN_DIR` the run's own
 config.toml is the base, `--config` and overrides apply on top (e.g. more `--train.steps`).
 
+Exit codes: 0 done; 2 a user error (one line naming the value); 3 training diverged
+(`train.max_skips` steps in a row had a non-finite loss or gradient; every checkpoint is
+finite); 1 the run directory's disk went full or read-only mid-run (one line; what was written
+before is intact); 130 Ctrl-C and 143 SIGTERM (a checkpoint is saved when a step was running;
+during set-up SIGTERM unwinds every cleanup first).
+
 This file only parses and routes; the loop is in trainer.py.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -83,6 +91,15 @@ def parse_args(argv: list[str]) -> tuple[str | None, str | None, dict[str, str],
     return config_file, resume, overrides, False
 
 
+class Terminated(BaseException):
+    """SIGTERM outside a training step (set-up, the summary): unwinds so that every cleanup
+    runs (the offload engine's threads, the shared store's /dev/shm file), then exit 143."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def new_run_dir(root: str | Path = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(root) / stamp
@@ -112,15 +129,18 @@ def main(argv: list[str] | None = None) -> int:
                              "of an earlier `moescale train` run")
         try:
             base = tomllib.loads(saved.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"--resume {resume!r}: its config.toml is not valid TOML: "
-                             f"{err}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"--resume {resume!r}: its config.toml ({str(saved)!r}) is not "
+                             f"valid UTF-8 TOML ({err}); restore it, or start a new run") from None
         overrides["train.run_dir"] = str(run_dir)
     config = load_config(config_file, overrides, base=base)
     if resume is None:
         run_dir = Path(config.train.run_dir) if config.train.run_dir else new_run_dir()
+    from moescale.train.guard import TrainingDiverged
     from moescale.train.trainer import Trainer
 
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         trainer = Trainer(config, run_dir, resume=resume is not None)
         return trainer.run()
@@ -128,3 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         print("moescale train: aborted (no checkpoint saved for the current step)",
               file=sys.stderr)
         return 130
+    except Terminated:
+        print("moescale train: terminated (SIGTERM) outside a training step; no checkpoint "
+              "saved for it, nothing left behind", file=sys.stderr)
+        return 143
+    except TrainingDiverged as err:
+        print(f"moescale train: {err}", file=sys.stderr)
+        return 3
+    except OSError as err:          # disk full or read-only mid-run: one line, data intact
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"moescale train: error: {err.strerror or err}{where}; what the run wrote before "
+              f"is intact: free disk space or fix permissions, then continue with --resume "
+              f"{run_dir}", file=sys.stderr)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -21,6 +21,7 @@ This file builds no model and touches no tensors.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
 import re
 import tomllib
@@ -188,15 +189,18 @@ class TrainSection:
     run_dir: str = ""            # '' -> runs/<timestamp>
     sample_tokens: int = 200     # length of the generated sample at the end (0: none)
     progress: bool = True        # tqdm progress bar on stderr
+    max_skips: int = 5           # consecutive non-finite steps (skipped) that stop the run
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches",
-                     "keep_last"):
+                     "keep_last", "max_skips"):
             _need(getattr(self, name) >= 1, f"train.{name}", getattr(self, name),
                   "must be >= 1")
         for name in ("eval_interval", "checkpoint_interval", "threads", "sample_tokens"):
             _need(getattr(self, name) >= 0, f"train.{name}", getattr(self, name),
                   "must be >= 0")
+        _need(0 <= self.seed < 2**63, "train.seed", self.seed,
+              "must lie in [0, 2**63 - 1] (a 64-bit seed)")
         _need(self.precision in PRECISIONS, "train.precision", self.precision,
               f"choose one of {', '.join(PRECISIONS)}")
         _need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "train.device",
@@ -384,6 +388,9 @@ def _unwrap_optional(hint):
 def convert(text, hint, option: str):
     """Convert `text` (a CLI string or a TOML value) to the annotated type of `option`."""
     base, optional = _unwrap_optional(hint)
+    if not isinstance(text, (str, int, float)):     # a TOML array, table or date
+        raise ValueError(f"{option}={text} is a TOML {type(text).__name__}; give one "
+                         f"{base.__name__} value")
     if isinstance(text, str) and optional and text.strip().lower() in ("none", "null", ""):
         return None
     if base is bool:
@@ -399,9 +406,12 @@ def convert(text, hint, option: str):
         if isinstance(text, bool) or (isinstance(text, float) and not text.is_integer()):
             raise ValueError(f"{option}={text!r} is not an integer")
         try:
-            return int(text) if not isinstance(text, str) else int(text.strip(), 0)
-        except ValueError:
-            raise ValueError(f"{option}={text!r} is not an integer") from None
+            value = int(text) if not isinstance(text, str) else _parse_int(text)
+        except (ValueError, OverflowError):
+            raise ValueError(f"{option}={text!r} is not an integer (or past 64 bits)") from None
+        if not -2**63 <= value < 2**63:
+            raise ValueError(f"{option}={text!r} is past 64 bits; give a smaller integer")
+        return value
     if base is float:
         if isinstance(text, bool):
             raise ValueError(f"{option}={text!r} is not a number")
@@ -419,6 +429,21 @@ def convert(text, hint, option: str):
             raise ValueError(f"{option}={text!r} must be a string")
         return text
     raise AssertionError(f"unsupported option type {hint} for {option}")
+
+
+def _parse_int(text: str) -> int:
+    """'42', '0x2a', '1_000' and exact scientific notation ('1e6'); ValueError otherwise."""
+    try:
+        return int(text.strip(), 0)
+    except ValueError:
+        try:
+            value = decimal.Decimal(text.strip())
+        except decimal.InvalidOperation:
+            raise ValueError(text) from None
+        if not value.is_finite() or value.adjusted() > 18 or \
+                value != value.to_integral_value():
+            raise ValueError(text) from None
+        return int(value)
 
 
 def _build(values: dict[str, dict[str, object]]) -> RunConfig:

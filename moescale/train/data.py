@@ -174,6 +174,11 @@ def load_data(cfg: DataSection, cache_dir_default: str | Path) -> TokenData:
         raise ValueError(f"data.path={cfg.path!r} holds no tokens (empty corpus); give "
                          "non-empty text files")
     vocab = 256 if not bins else cfg.vocab_size
+    low = int(min(train.min(), val.min() if len(val) else 0))
+    if low < 0:
+        raise ValueError(f"data.path={cfg.path!r} has token id {low} < 0 (as "
+                         f"data.token_dtype={cfg.token_dtype!r}); token ids lie in [0, "
+                         "data.vocab_size): check data.token_dtype and the file")
     top = int(max(train.max(), val.max() if len(val) else 0))
     if top >= vocab:
         raise ValueError(f"data.path={cfg.path!r} has token id {top} >= data.vocab_size="

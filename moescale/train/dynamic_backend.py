@@ -168,6 +168,12 @@ class DynamicPlacementBackend(ExpertParallelBackend):
                             betas=(oc.beta1, oc.beta2), eps=oc.eps,
                             weight_decay=oc.weight_decay)
 
+    def skip_step(self) -> None:
+        from moescale.parallel.dynamic_experts import step_shared_experts
+
+        # the same fence, no step: each owner zeroes its experts' accumulators
+        step_shared_experts(self.layers, self.groups.ep_group, lr=0.0, skip=True)
+
     def begin_micro_batch(self, last: bool) -> None:
         self._collect(keep=self._micro > 0)   # the first one drops evaluation's calls
         self._micro += 1

@@ -93,7 +93,16 @@ class ExpertParallelOffloadBackend(ExpertParallelBackend):
                                            reduce_expert_sq=self._sum_over_ep)
 
     def step_experts(self) -> None:
-        self.engine.step()
+        self.offload.step_experts()
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        self.offload.before_backward(loss)     # this rank's experts only
+
+    def expert_skips(self) -> int:
+        return self.offload.expert_skips()
+
+    def skip_step(self) -> None:
+        self.offload.skip_step()
 
     # checkpoints: the single-process model state and one store of all E experts
     def _gather_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -15,8 +15,12 @@ in the summary.
 
 Resuming restores model, optimizer, step, the data generator and torch's RNG from the newest
 checkpoint that verifies, and drops metrics past it, so the continued run logs exactly the
-losses of an uninterrupted one. SIGINT (Ctrl-C) finishes the current step, saves a checkpoint
-and returns 130; a second Ctrl-C aborts at once.
+losses of an uninterrupted one. SIGINT (Ctrl-C) or SIGTERM (what torchrun and schedulers send)
+finishes the current step, saves a checkpoint and returns 130 (143 for SIGTERM); a second one
+aborts at once. A step whose loss or gradient norm is not finite is skipped, not stepped
+(guard.py); `train.max_skips` of them in a row stop the run (TrainingDiverged). No checkpoint
+with NaN or Inf is written. A start-up sweep removes the temp files a killed run left in the
+run directory (checkpoint.sweep_temp_files).
 
 Offloading and expert parallelism plug in through a backend (backends.py): it prepares the
 model (offloads or shards the experts), slices each batch for this rank, clips and steps the
@@ -49,10 +53,12 @@ from moescale.models import GPT, gpt_config
 from moescale.offload.planner import fmt_bytes
 from moescale.train.backends import make_backend
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
-                                       load_latest, optimizer_from_flat, optimizer_to_flat,
-                                       save_checkpoint)
+                                       load_latest, nonfinite, optimizer_from_flat,
+                                       optimizer_to_flat, save_checkpoint, sweep_temp_files)
 from moescale.train.config import RunConfig, parse_bytes, to_dict, to_toml
 from moescale.train.data import TokenBatches, load_data
+from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
+from moescale.train.limits import check_memory, check_run_dir, check_threads
 from moescale.train.metrics import MetricsLog, read_metrics
 from moescale.train.optim import build_optimizer, lr_at, set_lr
 from moescale.train.report import write_report
@@ -166,6 +172,8 @@ class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False,
                  out=None, err=None) -> None:
         config.check_supported()
+        check_threads(config.train.threads)     # before a thread or a byte is spent
+        check_run_dir(run_dir)
         self.config = config
         self.run_dir = Path(run_dir)
         self.out = out if out is not None else sys.stdout
@@ -181,6 +189,7 @@ class Trainer:
             tc.threads, self.threads_note = auto_threads(self.backend.world_size)
         self.device = resolve_device(tc.device)
         self.data = load_data(config.data, DEFAULT_CACHE_DIR)
+        check_memory(config, self.data.vocab_size, self.device)
         torch.manual_seed(tc.seed)
         self.model = build_model(config, self.data.vocab_size, self.backend.expert_device())
         if self.backend.expert_device() is None:   # else: moved once the experts are out
@@ -188,6 +197,11 @@ class Trainer:
         self.params = self.model.num_parameters()
         check_budget(config, self.params.total)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.writer:
+            removed, freed = sweep_temp_files(self.run_dir)
+            if removed:
+                print(f"removed {removed} temp file(s) ({fmt_bytes(freed)}) that an "
+                      f"interrupted run left in {self.run_dir}", file=self.err)
         try:
             self._build(resume)
         except BaseException:     # stop the offload engine's threads
@@ -206,6 +220,9 @@ class Trainer:
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
         self.step = 0
         self.stop_requested = False
+        self.stop_signal = None
+        self.guard = StepGuard(tc.max_skips, self.err, str(self.run_dir))
+        self._expert_skips = 0
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.writer)
         self.resumed_from = None
@@ -270,11 +287,27 @@ class Trainer:
         state = {"step": self.step, "optimizer": opt_rest, "data_rng": self.batches.state(),
                  "config": to_dict(self.config)}
         path = checkpoint_path(self.ckpt_dir, self.step)
+        bad = nonfinite(tensors) if self.writer else None   # never written (nor the store)
+        if self.backend.any(bad is not None):               # every rank stops, none waits
+            raise TrainingDiverged(
+                f"refusing to write the checkpoint of step {self.step}: " +
+                (f"{bad[0]} holds {bad[1]:,} NaN or Inf values" if bad else "rank 0 found NaN "
+                 "or Inf") + "; the checkpoints already written are finite: lower optim.lr and "
+                f"continue with --resume {self.run_dir}")
+        failed = None
         if self.writer:
-            state.update(self.backend.save_extra(self.ckpt_dir, self.step))  # before the commit
-            path = save_checkpoint(self.ckpt_dir, self.step, tensors, state,
-                                   self.config.train.keep_last)
-            self.backend.after_save(self.ckpt_dir)
+            try:
+                state.update(self.backend.save_extra(self.ckpt_dir, self.step))  # first
+                path = save_checkpoint(self.ckpt_dir, self.step, tensors, state,
+                                       self.config.train.keep_last)   # the commit point
+                self.backend.after_save(self.ckpt_dir)
+            except OSError as err:     # disk full, read-only: the older checkpoints stand
+                failed = err
+        if self.backend.any(failed is not None):
+            reason = failed.strerror or str(failed) if failed is not None else "rank 0 failed"
+            raise OSError(getattr(failed, "errno", None), f"could not write the checkpoint of "
+                          f"step {self.step} in {str(self.ckpt_dir)!r} ({reason}); the "
+                          "checkpoints already written are intact")
         self.backend.barrier()
         return path
 
@@ -299,6 +332,7 @@ class Trainer:
             idx_BS, targets_BS = idx_BS.to(self.device), targets_BS.to(self.device)
             with self._autocast():
                 _, loss = self.model(idx_BS, targets_BS)
+            self.backend.before_backward(loss.detach())
             (loss / tc.grad_accum).backward()
             parts = self.model.last_loss_parts
             ce_sum += float(parts["ce"])
@@ -308,15 +342,25 @@ class Trainer:
                 [a + b for a, b in zip(counts_LE, layer_counts)]
         clip = oc.grad_clip if oc.grad_clip > 0 else math.inf
         grad_norm = self.backend.clip(self.model, clip)   # EP: gradients averaged first
-        self.backend.step_experts()
-        self.optimizer.step()
+        skips, self._expert_skips = self._expert_skips, self.backend.expert_skips()
+        ce_sum, aux_sum, skips = self.backend.mean([ce_sum, aux_sum, self._expert_skips - skips])
+        skipped = self.guard.verdict(      # every rank sees the same numbers: all agree
+            ce_sum / tc.grad_accum, aux_sum / tc.grad_accum,
+            dense_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm,
+            round(skips * self.backend.world_size))
+        if skipped is None:
+            self.backend.step_experts()
+            self.optimizer.step()
+        else:                 # no update: the gradients are discarded
+            self.backend.skip_step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        ce_sum, aux_sum = self.backend.mean([ce_sum, aux_sum])
         counts = [c.tolist() for c in self.backend.sum_counts(counts_LE or [])]
         return {"kind": "train", "step": self.step, "loss": ce_sum / tc.grad_accum,
                 "aux_loss": aux_sum / tc.grad_accum, "lr": lr, "grad_norm": grad_norm,
                 "tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
                 "imbalance": _imbalance(counts), "tokens_per_expert": counts,
+                **({} if skipped is None else {"skipped": skipped}),
                 **self.backend.step_metrics(self.model, counts)}
 
     @torch.no_grad()
@@ -333,17 +377,19 @@ class Trainer:
             self.model.train()
         return self.backend.mean([sum(losses) / len(losses)])[0]
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         if self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
-        print("\ninterrupt: finishing this step, then saving a checkpoint "
-              "(Ctrl-C again aborts without saving)", file=self.err)
+        self.stop_signal = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(a second Ctrl-C or SIGTERM aborts without saving)", file=self.err)
 
     def run(self, until_step: int | None = None) -> int:
         """Train to train.steps, or to `until_step` (a checkpoint is saved there; the learning
-        rate schedule still spans train.steps), or until SIGINT. 0 when done, 130 when
-        interrupted. Sets torch's thread count to train.threads for the call only."""
+        rate schedule still spans train.steps), or until SIGINT / SIGTERM. 0 when done, 130
+        (SIGINT) or 143 (SIGTERM) when interrupted. Sets torch's thread count to
+        train.threads for the call only."""
         tc = self.config.train
         threads = torch.get_num_threads()
         torch.set_num_threads(tc.threads)
@@ -357,10 +403,12 @@ class Trainer:
         from tqdm import tqdm
 
         tc = self.config.train
-        previous = signal.getsignal(signal.SIGINT)
+        stops = (signal.SIGINT, signal.SIGTERM)
+        previous = [signal.getsignal(s) for s in stops]
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
-            signal.signal(signal.SIGINT, self._on_sigint)
+            for s in stops:
+                signal.signal(s, self._on_signal)
         self.model.train()
         bar = tqdm(total=tc.steps, initial=self.step, file=self.err,
                    disable=not (tc.progress and self.writer),
@@ -387,9 +435,7 @@ class Trainer:
                 bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {rate:,.0f} "
                                     f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}"
                                     + _load_text(record), refresh=False)
-                if not math.isfinite(record["loss"]):
-                    raise ValueError(f"the training loss became {record['loss']} at step "
-                                     f"{self.step}; lower optim.lr or enable optim.grad_clip")
+                self.guard.record(self.step, record.get("skipped"))   # may stop the run
                 done = self.step == tc.steps
                 if done or (tc.eval_interval and self.step % tc.eval_interval == 0):
                     val = self.evaluate()
@@ -402,7 +448,8 @@ class Trainer:
             bar.close()
             self.metrics.close()
             if in_main:
-                signal.signal(signal.SIGINT, previous)
+                for s, handler in zip(stops, previous):
+                    signal.signal(s, handler)
         if self.stop_requested and last_ckpt is None and self.step > 0:
             last_ckpt = self.save()
         sample = self.sample() if not self.stop_requested else ""   # collective under EP
@@ -414,7 +461,7 @@ class Trainer:
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
                   f"continue with: moescale train --resume {self.run_dir}", file=self.out)
-            return 130
+            return 143 if self.stop_signal == signal.SIGTERM else 130
         return 0
 
     # -- end of run ----------------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""What this machine can run, checked before `moescale train` allocates or writes anything.
+
+A configuration can be valid and still impossible here: more threads than CPUs (torch starts
+them all; past the process's thread limit it segfaults), a model or batch whose memory exceeds
+the machine's by orders of magnitude (an allocation traceback, or the OOM killer, minutes
+later), a run directory that is a file or cannot be written. Each check raises ValueError with
+the values and the fix (`moescale train` prints it as one line, exit 2):
+
+- `check_threads`: train.threads <= the CPUs this process may use;
+- `check_memory`: a lower bound of the bytes training needs (parameters x 16 bytes of fp32
+  weights, gradients and AdamW moments in the memory that holds them, plus the activations of
+  one micro-batch) against what is available (RAM + free swap; a CUDA device's total memory
+  for what lives there). The model is counted on the meta device, so nothing is allocated. A
+  lower bound never refuses a run that fits; it catches the typos (1e8 for 1e3);
+- `check_run_dir`: the run directory is a directory, or can be created, and can be written
+  (probed with a temp file in its nearest existing folder; nothing is created).
+
+Not here: validation of single options (config.py), the planner's estimates (offload/planner).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moescale.layers.expert_threads import usable_cpus
+from moescale.offload.planner import fmt_bytes
+from moescale.train.config import RunConfig
+
+STATE_BYTES = 16       # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
+ACT_BYTES = 4
+
+
+def check_threads(threads: int) -> None:
+    """train.threads (0 = auto) must not exceed the CPUs this process may run on."""
+    cpus = usable_cpus()
+    if threads > cpus:
+        raise ValueError(f"train.threads={threads} is more than the {cpus} CPUs this process "
+                         f"may use; give at most {cpus} (or 0: chosen from the load)")
+
+
+def _available_ram() -> int:
+    """MemAvailable + SwapFree from /proc/meminfo (total RAM where that is missing)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return sum(int(info[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
+    """(parameters, bytes of parameter state held in RAM or on the device, activation bytes of
+    one micro-batch): lower bounds, from the model built on the meta device."""
+    from moescale.models import GPT, gpt_config
+
+    try:
+        cfg = gpt_config(config.model.size, vocab_size=vocab_size,
+                         seq_len=config.train.seq_len, **config.model.overrides())
+    except ValueError as err:
+        raise ValueError(f"model: {err}") from None
+    with torch.device("meta"):
+        count = GPT(cfg).num_parameters()
+    expert = count.expert // max(1, config.parallel.ep_size)
+    if config.offload.mode == "disk":
+        expert = 0                    # on disk, behind a bounded host cache
+    state = STATE_BYTES * (count.total - count.expert + expert)
+    B, S = config.train.batch_size, config.train.seq_len
+    per_token = cfg.n_layers * (8 * cfg.d_model + cfg.n_heads * S + 2 * cfg.top_k * cfg.d_ff) \
+        + 2 * vocab_size
+    return count.total, state, ACT_BYTES * B * S * per_token
+
+
+def check_memory(config: RunConfig, vocab_size: int, device: torch.device) -> None:
+    """Refuse a model + micro-batch that cannot fit (see the module docstring)."""
+    params, state, acts = training_bytes(config, vocab_size)
+    need = state + acts
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
+    else:
+        have, where = _available_ram(), "this machine has"
+    if need <= have:
+        return
+    m, t = config.model, config.train
+    shown = ", ".join(f"{name} {getattr(m, name)}" for name in
+                      ("n_layers", "d_model", "n_heads", "d_ff", "num_experts", "top_k")
+                      if getattr(m, name) is not None)
+    raise ValueError(
+        f"model {m.size!r}{f' ({shown})' if shown else ''}, vocabulary {vocab_size}, with "
+        f"train.batch_size={t.batch_size} x train.seq_len={t.seq_len} needs at least "
+        f"{fmt_bytes(need)} ({params:,} parameters: "
+        f"{fmt_bytes(state)} of weights, gradients and AdamW state; {fmt_bytes(acts)} of "
+        f"activations) but {where} {fmt_bytes(have)} available; shrink the model or the "
+        "batch (train.grad_accum keeps the batch with smaller micro-batches), or keep the "
+        "experts on disk (offload.mode disk)")
+
+
+def check_run_dir(run_dir: str | Path, option: str = "train.run_dir") -> None:
+    """The run directory is a directory (or can be made one) and can be written."""
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option}={str(run_dir)!r} is a file, not a directory; choose a "
+                         "directory (it is created if missing)")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{option}={str(run_dir)!r} cannot be created: {str(probe)!r} is a "
+                         "file; choose a directory path")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".moescale-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise ValueError(f"{option}={str(run_dir)!r} is not writable ({err.strerror or err} in "
+                         f"{str(probe)!r}); choose a directory you can write") from None
