@@ -121,8 +121,8 @@ class DirectIO:
         self._count = threading.Lock()
 
     # ----------------------------------------------------------------- files
-    def open(self, path: str, create: bool = False) -> int:
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    def open(self, path: str, create: bool = False, write: bool = True) -> int:
+        flags = (os.O_RDWR if write else os.O_RDONLY) | (os.O_CREAT if create else 0)
         try:
             fd = os.open(path, flags | os.O_DIRECT, 0o644)
             if self.direct is None:
@@ -149,17 +149,24 @@ class DirectIO:
 
     def read(self, path: str, offset: int, view: torch.Tensor) -> Future:
         """Fill the uint8 tensor `view` (aligned) from path at offset; Future of None."""
-        return self._submit(self._readers, self._read_piece, path, offset, view)
+        return self._submit(self._readers, self._read_piece, path, offset, view, False, False)
 
     def write(self, path: str, offset: int, view: torch.Tensor, create: bool = False
               ) -> Future:
         """Write `view` to path at offset; Future of the chunks' xxh3-64 sums in offset order."""
-        return self._submit(self._writers, self._write_piece, path, offset, view, create)
+        return self._submit(self._writers, self._write_piece, path, offset, view, create, True)
 
-    def _submit(self, pool, piece, path, offset, view, *extra) -> Future:
+    def _submit(self, pool, piece, path, offset, view, create: bool, write: bool) -> Future:
+        """Cut the request into chunks on `pool`; a failure to open the file comes back in
+        the Future, like any I/O error."""
         assert offset % ALIGN == 0 and view.numel() % ALIGN == 0 and \
             view.data_ptr() % ALIGN == 0, "direct I/O needs aligned offset, length and buffer"
-        fd = self.open(path, *extra)
+        try:
+            fd = self.open(path, create, write)
+        except OSError as err:
+            failed: Future = Future()
+            failed.set_exception(OSError(err.errno, f"opening {path!r} failed: {err.strerror}"))
+            return failed
         futures = [pool.submit(piece, fd, path, offset + start, view[start:start + n])
                    for start, n in self._pieces(offset, view.numel())]
         out = gather(futures)

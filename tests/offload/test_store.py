@@ -299,3 +299,14 @@ def test_disk_tier_moves_the_minimum_bytes_per_step(tmp_path):
     assert store.bytes_written - written0 == num * 3 * row
     assert store.disk.grad_rows_moved == 0 and not store.disk.grad_on_disk
     engine.close()
+
+
+def test_a_file_removed_under_the_store_fails_its_own_access_only(tmp_path):
+    store = make("disk", tmp_path, cache_records=2)
+    os.remove(store.path((0, 3)))
+    store.set_upcoming([((0, 3), M), ((0, 1), M)])   # the read-ahead of 3 fails quietly
+    rec = store.acquire((0, 1), M)                     # other experts are unaffected
+    assert torch.equal(rec.master_P, masters(1))
+    store.release((0, 1))
+    with pytest.raises(OSError, match="expert00003"):
+        store.acquire((0, 3), M)
