@@ -4,7 +4,7 @@
 field is plain data with a default and is validated in `__post_init__`; a bad value raises
 `ValueError` naming the option (`model.top_k`), the value and the fix. `load_config(file,
 overrides)` reads `--config FILE.toml`, applies `--section.field value` overrides converting the
-text by the field's annotated type, and re-validates. `help_text()` lists every option with its
+text by the field's annotated type (options.py), and re-validates. `help_text()` lists every option with its
 type and default; `to_toml()` writes the resolved tree (None values are omitted: TOML has no null).
 
 Offloading (`[offload]`: mode, budgets, step mode, activation policy), expert parallelism
@@ -21,16 +21,16 @@ This file builds no model and touches no tensors.
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import math
 import re
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
+
+from moescale.train.options import convert, type_name
 
 MODEL_SIZES = ("tiny", "small", "moe-s", "moe-m", "moe-l")
 ROUTERS = ("topk", "noisy_topk", "switch", "gshard")
@@ -375,77 +375,6 @@ def _field_hints(section_cls) -> dict[str, object]:
     return typing.get_type_hints(section_cls)
 
 
-def _unwrap_optional(hint):
-    """(base type, optional?) of an annotation like `int | None`."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        assert len(args) == 1, hint
-        return args[0], True
-    return hint, False
-
-
-def convert(text, hint, option: str):
-    """Convert `text` (a CLI string or a TOML value) to the annotated type of `option`."""
-    base, optional = _unwrap_optional(hint)
-    if not isinstance(text, (str, int, float)):     # a TOML array, table or date
-        raise ValueError(f"{option}={text} is a TOML {type(text).__name__}; give one "
-                         f"{base.__name__} value")
-    if isinstance(text, str) and optional and text.strip().lower() in ("none", "null", ""):
-        return None
-    if base is bool:
-        if isinstance(text, bool):
-            return text
-        low = str(text).strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{option}={text!r} is not a boolean; use true or false")
-    if base is int:
-        if isinstance(text, bool) or (isinstance(text, float) and not text.is_integer()):
-            raise ValueError(f"{option}={text!r} is not an integer")
-        try:
-            value = int(text) if not isinstance(text, str) else _parse_int(text)
-        except (ValueError, OverflowError):
-            raise ValueError(f"{option}={text!r} is not an integer (or past 64 bits)") from None
-        if not -2**63 <= value < 2**63:
-            raise ValueError(f"{option}={text!r} is past 64 bits; give a smaller integer")
-        return value
-    if base is float:
-        if isinstance(text, bool):
-            raise ValueError(f"{option}={text!r} is not a number")
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"{option}={text!r} is not a number") from None
-        if not math.isfinite(value):
-            raise ValueError(f"{option}={text!r} must be a finite number")
-        return value
-    if base is str:
-        if isinstance(text, int) and not isinstance(text, bool):
-            return str(text)    # TOML `chunks = 2`, `device_budget = 1000000`
-        if not isinstance(text, str):
-            raise ValueError(f"{option}={text!r} must be a string")
-        return text
-    raise AssertionError(f"unsupported option type {hint} for {option}")
-
-
-def _parse_int(text: str) -> int:
-    """'42', '0x2a', '1_000' and exact scientific notation ('1e6'); ValueError otherwise."""
-    try:
-        return int(text.strip(), 0)
-    except ValueError:
-        try:
-            value = decimal.Decimal(text.strip())
-        except decimal.InvalidOperation:
-            raise ValueError(text) from None
-        if not value.is_finite() or value.adjusted() > 18 or \
-                value != value.to_integral_value():
-            raise ValueError(text) from None
-        return int(value)
-
-
 def _build(values: dict[str, dict[str, object]]) -> RunConfig:
     sections = {}
     for name, cls in _section_types().items():
@@ -512,11 +441,6 @@ def to_toml(config: RunConfig) -> str:
     return tomli_w.dumps(to_dict(config))
 
 
-def _type_name(hint) -> str:
-    base, optional = _unwrap_optional(hint)
-    return base.__name__ + (" | none" if optional else "")
-
-
 def help_text(size_defaults: dict | None = None) -> str:
     """Every option with its type and default, section by section. `size_defaults` (the
     default size's GPTConfig fields) fills in the model options left to the size."""
@@ -533,6 +457,6 @@ def help_text(size_defaults: dict | None = None) -> str:
                     if f.name in size_defaults else "the size's"
             option = f"--{section}.{f.name}"
             choices = CHOICES.get(option[2:])
-            lines.append(f"    {option:<30} {_type_name(hints[f.name]):<12} default {shown}"
+            lines.append(f"    {option:<30} {type_name(hints[f.name]):<12} default {shown}"
                          + (f"  [{' | '.join(choices)}]" if choices else ""))
     return "\n".join(lines)
