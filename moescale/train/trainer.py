@@ -28,7 +28,9 @@ experts, reduces logged numbers over ranks and consolidates checkpoints; under e
 parallelism only rank 0 writes files and prints.
 
 Deliberately not here: the offload / expert-parallel integration (backends.py), process
-launch (torchrun, or backends.train_distributed), the CLI parsing (cli.py).
+launch (torchrun, or backends.train_distributed), the CLI parsing (cli.py), the end-of-run
+summary (summary.py), the step guard (guard.py), the checks of what the machine can run
+(limits.py).
 
 Legend: B batch, S sequence, L MoE layers, E experts.
 """
@@ -38,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import resource
 import signal
 import sys
 import threading
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from moescale.atomic import atomic_write_json, atomic_write_text
+from moescale.atomic import atomic_write_text
 from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
 from moescale.offload.planner import fmt_bytes
@@ -59,9 +60,9 @@ from moescale.train.config import RunConfig, parse_bytes, to_dict, to_toml
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
 from moescale.train.limits import check_memory, check_run_dir, check_threads
-from moescale.train.metrics import MetricsLog, read_metrics
+from moescale.train.metrics import MetricsLog
 from moescale.train.optim import build_optimizer, lr_at, set_lr
-from moescale.train.report import write_report
+from moescale.train.summary import imbalance, load_text, summarise
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
 BYTES_PER_PARAM_DEVICE_ONLY = 16   # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
@@ -105,47 +106,6 @@ def _expert_counts(model: GPT) -> list[torch.Tensor]:
             if isinstance(m, MoE) and m.last_stats is not None]
 
 
-def _imbalance(counts_LE: list[list[int]]) -> float:
-    """max over layers of (max / mean) tokens per expert: 1.0 is perfectly balanced."""
-    worst = 1.0
-    for counts_E in counts_LE:
-        mean = sum(counts_E) / max(1, len(counts_E))
-        if mean > 0:
-            worst = max(worst, max(counts_E) / mean)
-    return worst
-
-
-LOAD_KEYS = ("device_load_max_over_mean", "static_load_max_over_mean")
-
-
-def _load_text(record: dict) -> str:
-    """The tqdm postfix part for a step's modelled device load (max/mean), if logged."""
-    if "device_load_max_over_mean" not in record:
-        return ""
-    static = record.get("static_load_max_over_mean")
-    return f" load {record['device_load_max_over_mean']:.2f}" + \
-        (f" (static {static:.2f})" if static is not None else "")
-
-
-def _mean_loads(train: list[dict]) -> dict:
-    """The run's mean of each logged max/mean device load (summary.json)."""
-    out = {}
-    for key in LOAD_KEYS:
-        values = [r[key] for r in train if key in r]
-        if values:
-            out[f"mean_{key}"] = sum(values) / len(values)
-    return out
-
-
-def _load_lines(s: dict) -> list[str]:
-    if "mean_device_load_max_over_mean" not in s:
-        return []
-    static = s.get("mean_static_load_max_over_mean")
-    return [f"device load:  max/mean {s['mean_device_load_max_over_mean']:.3f} "
-            f"(modelled rows, mean over the run's steps; {s['placement']} placement)"
-            + (f", static placement {static:.3f}" if static is not None else "")]
-
-
 def auto_threads(ranks: int = 1) -> tuple[int, str]:
     """Threads for `train.threads = 0`: the CPUs left free by the current load average.
 
@@ -160,10 +120,6 @@ def auto_threads(ranks: int = 1) -> tuple[int, str]:
         return cpus, f"auto: {cpus} CPUs"
     threads = max(1, min(cpus, int(cpus - load + 0.5)))
     return threads, f"auto: {cpus} CPUs, load average {load:.1f}"
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class Trainer:
@@ -359,7 +315,7 @@ class Trainer:
         return {"kind": "train", "step": self.step, "loss": ce_sum / tc.grad_accum,
                 "aux_loss": aux_sum / tc.grad_accum, "lr": lr, "grad_norm": grad_norm,
                 "tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
-                "imbalance": _imbalance(counts), "tokens_per_expert": counts,
+                "imbalance": imbalance(counts), "tokens_per_expert": counts,
                 **({} if skipped is None else {"skipped": skipped}),
                 **self.backend.step_metrics(self.model, counts)}
 
@@ -434,7 +390,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {rate:,.0f} "
                                     f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}"
-                                    + _load_text(record), refresh=False)
+                                    + load_text(record), refresh=False)
                 self.guard.record(self.step, record.get("skipped"))   # may stop the run
                 done = self.step == tc.steps
                 if done or (tc.eval_interval and self.step % tc.eval_interval == 0):
@@ -455,9 +411,8 @@ class Trainer:
         sample = self.sample() if not self.stop_requested else ""   # collective under EP
         memory = self.backend.memory()
         if self.writer:
-            self.summary = self._summarise(train_time, train_tokens,
-                                           time.perf_counter() - start, last_ckpt, sample,
-                                           memory)
+            self.summary = summarise(self, train_time, train_tokens,
+                                     time.perf_counter() - start, last_ckpt, sample, memory)
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
                   f"continue with: moescale train --resume {self.run_dir}", file=self.out)
@@ -481,65 +436,3 @@ class Trainer:
         if self.data.vocab_size == 256:
             return bytes(out).decode("utf-8", errors="replace")
         return " ".join(map(str, out))
-
-    def _summarise(self, train_time, train_tokens, wall, last_ckpt, sample, memory) -> dict:
-        records = read_metrics(self.run_dir / "metrics.jsonl")
-        train = [r for r in records if r["kind"] == "train"]
-        vals = [r for r in records if r["kind"] == "val"]
-        tail = train[-20:]
-        memory = {"host_peak_rss_bytes": peak_rss_bytes(), **memory}
-        if self.device.type == "cuda" and "device_peak_bytes" not in memory:
-            memory["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        plan, self.plan_text = self.backend.plan(self.device)
-        summary = {
-            "kind": "summary", "step": self.step, "steps": self.config.train.steps,
-            "train_loss": sum(r["loss"] for r in tail) / len(tail) if tail else None,
-            "train_loss_steps": len(tail),
-            "val_loss": vals[-1]["val_loss"] if vals else None,
-            "tokens_per_s": train_tokens / train_time if train_time else None,
-            "wall_s": wall, "memory": memory, "offload_plan": plan,
-            "world_size": self.backend.world_size,
-            "device": str(self.device), "params_total": self.params.total,
-            "params_active": self.params.active, "checkpoint": str(last_ckpt),
-            "resumed_from": self.resumed_from,
-            "placement": self.config.parallel.placement, **_mean_loads(train),
-        }
-        report = write_report(self.run_dir)
-        summary["report"] = str(report) if report else None
-        summary["sample"] = sample
-        atomic_write_json(self.run_dir / "summary.json", summary)
-        self._print_summary(summary)
-        return summary
-
-    def _print_summary(self, s: dict) -> None:
-        fmt = (lambda v, f: format(v, f) if v is not None else "n/a")
-        mem = s["memory"]
-        tiers = f"host RSS {fmt_bytes(mem['host_peak_rss_bytes'])}"
-        if "device_peak_bytes" in mem:
-            budget = mem.get("device_budget_bytes")
-            tiers += f", device {fmt_bytes(mem['device_peak_bytes'])}" + \
-                (f" (budget {fmt_bytes(budget)})" if budget else "")
-        if "disk_bytes" in mem:
-            tiers += (f", disk {fmt_bytes(mem['disk_bytes'])} (read "
-                      f"{fmt_bytes(mem['disk_read_bytes'])}, written "
-                      f"{fmt_bytes(mem['disk_written_bytes'])})")
-        lines = [
-            f"run dir:      {self.run_dir}",
-            f"data:         {self.data.description}",
-            f"model:        {self.config.model.size}, {self.params.total:,} parameters "
-            f"({self.params.active:,} active per token), {len(self.moe_layers)} MoE layers x "
-            f"{self.model.config.num_experts} experts top-{self.model.config.top_k}",
-            f"steps:        {s['step']}/{s['steps']}",
-            f"train loss:   {fmt(s['train_loss'], '.4f')} "
-            f"(mean of the last {s.get('train_loss_steps', 20)} steps)",
-            f"val loss:     {fmt(s['val_loss'], '.4f')}",
-            f"tokens/s:     {fmt(s['tokens_per_s'], ',.0f')}   wall time {s['wall_s']:.1f} s   "
-            f"threads {self.config.train.threads} ({self.threads_note})",
-            f"peak memory:  {tiers}",
-            f"offload plan: {self.plan_text}",
-            *_load_lines(s),
-            f"report:       {s['report']}",
-        ]
-        if s["sample"]:
-            lines.append("sample:\n" + s["sample"])
-        print("\n".join(lines), file=self.out)

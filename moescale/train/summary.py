@@ -1,0 +1,135 @@
+"""The end of a `moescale train` run: summary.json, report.png and the summary printed, plus the
+per-step load numbers the progress bar shows.
+
+`summarise(trainer, ...)` reads the run's metrics.jsonl back, adds the memory peaks (host RSS,
+the device's and, on the disk tier, the store's bytes) and the backend's plan, writes
+summary.json and report.png and prints the summary: run dir, data, model, steps, train loss
+(mean of the last 20 steps), validation loss, tokens/s, threads, peak memory per tier, offload
+plan, the modelled device load when several devices ran. `imbalance` and `load_text` are the
+per-step numbers of the metrics record and the progress bar.
+
+Not here: the loop (trainer.py), the numbers' meaning (metrics.py), the plot (report.py).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from moescale.atomic import atomic_write_json
+from moescale.offload.planner import fmt_bytes
+from moescale.train.metrics import read_metrics
+from moescale.train.report import write_report
+
+LOAD_KEYS = ("device_load_max_over_mean", "static_load_max_over_mean")
+
+
+def imbalance(counts_LE: list[list[int]]) -> float:
+    """max over layers of (max / mean) tokens per expert: 1.0 is perfectly balanced."""
+    worst = 1.0
+    for counts_E in counts_LE:
+        mean = sum(counts_E) / max(1, len(counts_E))
+        if mean > 0:
+            worst = max(worst, max(counts_E) / mean)
+    return worst
+
+
+def load_text(record: dict) -> str:
+    """The tqdm postfix part for a step's modelled device load (max/mean), if logged."""
+    if "device_load_max_over_mean" not in record:
+        return ""
+    static = record.get("static_load_max_over_mean")
+    return f" load {record['device_load_max_over_mean']:.2f}" + \
+        (f" (static {static:.2f})" if static is not None else "")
+
+
+def _mean_loads(train: list[dict]) -> dict:
+    """The run's mean of each logged max/mean device load (summary.json)."""
+    out = {}
+    for key in LOAD_KEYS:
+        values = [r[key] for r in train if key in r]
+        if values:
+            out[f"mean_{key}"] = sum(values) / len(values)
+    return out
+
+
+def _load_lines(s: dict) -> list[str]:
+    if "mean_device_load_max_over_mean" not in s:
+        return []
+    static = s.get("mean_static_load_max_over_mean")
+    return [f"device load:  max/mean {s['mean_device_load_max_over_mean']:.3f} "
+            f"(modelled rows, mean over the run's steps; {s['placement']} placement)"
+            + (f", static placement {static:.3f}" if static is not None else "")]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def summarise(trainer, train_time: float, train_tokens: int, wall: float, last_ckpt,
+              sample: str, memory: dict) -> dict:
+    """summary.json and report.png of the trainer's run, and the summary printed to its out;
+    returns the summary (also sets trainer.plan_text, the plan's one line)."""
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    vals = [r for r in records if r["kind"] == "val"]
+    tail = train[-20:]
+    memory = {"host_peak_rss_bytes": peak_rss_bytes(), **memory}
+    if trainer.device.type == "cuda" and "device_peak_bytes" not in memory:
+        memory["device_peak_bytes"] = torch.cuda.max_memory_allocated(trainer.device)
+    plan, trainer.plan_text = trainer.backend.plan(trainer.device)
+    summary = {
+        "kind": "summary", "step": trainer.step, "steps": trainer.config.train.steps,
+        "train_loss": sum(r["loss"] for r in tail) / len(tail) if tail else None,
+        "train_loss_steps": len(tail),
+        "val_loss": vals[-1]["val_loss"] if vals else None,
+        "tokens_per_s": train_tokens / train_time if train_time else None,
+        "wall_s": wall, "memory": memory, "offload_plan": plan,
+        "world_size": trainer.backend.world_size,
+        "device": str(trainer.device), "params_total": trainer.params.total,
+        "params_active": trainer.params.active, "checkpoint": str(last_ckpt),
+        "resumed_from": trainer.resumed_from,
+        "placement": trainer.config.parallel.placement, **_mean_loads(train),
+    }
+    report = write_report(trainer.run_dir)
+    summary["report"] = str(report) if report else None
+    summary["sample"] = sample
+    atomic_write_json(trainer.run_dir / "summary.json", summary)
+    print_summary(trainer, summary)
+    return summary
+
+
+def print_summary(trainer, s: dict) -> None:
+    fmt = (lambda v, f: format(v, f) if v is not None else "n/a")
+    mem = s["memory"]
+    tiers = f"host RSS {fmt_bytes(mem['host_peak_rss_bytes'])}"
+    if "device_peak_bytes" in mem:
+        budget = mem.get("device_budget_bytes")
+        tiers += f", device {fmt_bytes(mem['device_peak_bytes'])}" + \
+            (f" (budget {fmt_bytes(budget)})" if budget else "")
+    if "disk_bytes" in mem:
+        tiers += (f", disk {fmt_bytes(mem['disk_bytes'])} (read "
+                  f"{fmt_bytes(mem['disk_read_bytes'])}, written "
+                  f"{fmt_bytes(mem['disk_written_bytes'])})")
+    cfg, model = trainer.config, trainer.model.config
+    lines = [
+        f"run dir:      {trainer.run_dir}",
+        f"data:         {trainer.data.description}",
+        f"model:        {cfg.model.size}, {trainer.params.total:,} parameters "
+        f"({trainer.params.active:,} active per token), {len(trainer.moe_layers)} MoE layers x "
+        f"{model.num_experts} experts top-{model.top_k}",
+        f"steps:        {s['step']}/{s['steps']}",
+        f"train loss:   {fmt(s['train_loss'], '.4f')} "
+        f"(mean of the last {s.get('train_loss_steps', 20)} steps)",
+        f"val loss:     {fmt(s['val_loss'], '.4f')}",
+        f"tokens/s:     {fmt(s['tokens_per_s'], ',.0f')}   wall time {s['wall_s']:.1f} s   "
+        f"threads {cfg.train.threads} ({trainer.threads_note})",
+        f"peak memory:  {tiers}",
+        f"offload plan: {trainer.plan_text}",
+        *_load_lines(s),
+        f"report:       {s['report']}",
+    ]
+    if s["sample"]:
+        lines.append("sample:\n" + s["sample"])
+    print("\n".join(lines), file=trainer.out)
