@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -333,12 +334,19 @@ class OffloadBackend(LocalBackend):
     def load_extra(self, ckpt_dir: Path, state: dict, first_expert: int = 0,
                    total_experts: int | None = None) -> None:
         """Restore the store (an expert-parallel rank: its slice of a store of all experts)."""
+        from moescale.offload.checkpoint import StoreCheckpointError
+
         name = state.get("expert_store")
-        if name is None or not (ckpt_dir / name).is_dir():
-            raise ValueError(f"the checkpoint of step {state.get('step')} has no expert store "
-                             f"({name or 'none recorded'} under {str(ckpt_dir)!r}); it was "
-                             "written without offloading: resume with the run's config.toml")
-        self.engine.load_checkpoint(str(ckpt_dir / name), first_expert, total_experts)
+        if name is None:
+            raise ValueError(f"the checkpoint of step {state.get('step')} has no expert store; "
+                             "it was written without offloading: resume with the run's "
+                             "config.toml")
+        if not re.fullmatch(r"store_\d{8}", str(name)) or not (ckpt_dir / name).is_dir():
+            raise StoreCheckpointError(f"the expert store {str(name)[:100]!r} of the checkpoint "
+                                       f"of step {state.get('step')} is missing under "
+                                       f"{str(ckpt_dir)!r}; the checkpoint is incomplete")
+        self.engine.load_checkpoint(str(ckpt_dir / name), first_expert, total_experts,
+                                    tag=name[len("store_"):])
 
     def after_save(self, ckpt_dir: Path) -> None:
         kept = {f"store_{step:08d}" for step, _ in list_checkpoints(ckpt_dir)}

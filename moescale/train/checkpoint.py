@@ -172,9 +172,9 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, json.loads(meta["state"])
 
 
-def load_latest(ckpt_dir: str | Path, warn=print):
-    """The newest checkpoint that verifies: (path, tensors, state). Bad ones are reported
-    through `warn` and skipped; ValueError if none verifies."""
+def verified_checkpoints(ckpt_dir: str | Path, warn=print):
+    """(path, tensors, state) of each checkpoint that verifies, newest first. Bad ones are
+    reported through `warn` and skipped; ValueError if none verifies."""
     found = list_checkpoints(ckpt_dir)
     if not found:
         raise ValueError(f"no checkpoint in {str(ckpt_dir)!r}; nothing to resume (train first, "
@@ -187,8 +187,13 @@ def load_latest(ckpt_dir: str | Path, warn=print):
             errors.append(str(err))
             warn(f"warning: {err}; trying the previous checkpoint")
             continue
-        return path, tensors, state
+        yield path, tensors, state
     raise CheckpointError("; ".join(errors) + "; no usable checkpoint left to resume from")
+
+
+def load_latest(ckpt_dir: str | Path, warn=print):
+    """The newest checkpoint that verifies: (path, tensors, state); see verified_checkpoints."""
+    return next(iter(verified_checkpoints(ckpt_dir, warn)))
 
 
 def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:

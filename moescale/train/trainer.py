@@ -51,11 +51,12 @@ import torch
 from moescale.atomic import atomic_write_text
 from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
+from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.offload.planner import fmt_bytes
 from moescale.train.backends import make_backend
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
-                                       load_latest, nonfinite, optimizer_from_flat,
-                                       optimizer_to_flat, save_checkpoint, sweep_temp_files)
+                                       nonfinite, optimizer_from_flat, optimizer_to_flat,
+                                       save_checkpoint, sweep_temp_files, verified_checkpoints)
 from moescale.train.config import RunConfig, parse_bytes, to_dict, to_toml
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
@@ -206,18 +207,27 @@ class Trainer:
         atomic_write_text(self.run_dir / "config.toml", text)
 
     def _resume(self) -> None:
-        path, tensors, state = load_latest(self.ckpt_dir, warn=lambda m: print(m, file=self.err))
-        model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        try:
-            self.backend.load_model_state(self.model, model_sd)
-            optimizer_from_flat(self.optimizer,
-                                self.backend.local_optimizer_tensors(self.optimizer, tensors),
-                                self.backend.local_optimizer_groups(state["optimizer"]))
-            self.backend.load_extra(self.ckpt_dir, state)
-        except (RuntimeError, KeyError, ValueError) as err:
-            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
-                                  f"({str(err).splitlines()[0]}); resume with the run's own "
-                                  "config.toml") from None
+        """Resume from the newest checkpoint whose dense half and expert store both verify
+        (a corrupt store falls back to the previous checkpoint, as a corrupt dense file does;
+        the store is verified before anything of it is loaded)."""
+        warn = lambda m: print(m, file=self.err)   # noqa: E731
+        for path, tensors, state in verified_checkpoints(self.ckpt_dir, warn):
+            model_sd = {k[len("model."):]: v for k, v in tensors.items()
+                        if k.startswith("model.")}
+            try:
+                self.backend.load_model_state(self.model, model_sd)
+                optimizer_from_flat(self.optimizer,
+                                    self.backend.local_optimizer_tensors(self.optimizer, tensors),
+                                    self.backend.local_optimizer_groups(state["optimizer"]))
+                self.backend.load_extra(self.ckpt_dir, state)
+            except StoreCheckpointError as err:
+                warn(f"warning: {str(err).splitlines()[0]}; trying the previous checkpoint")
+                continue
+            except (RuntimeError, KeyError, ValueError) as err:
+                raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
+                                      f"({str(err).splitlines()[0]}); resume with the run's own "
+                                      "config.toml") from None
+            break
         self.step = int(state["step"])
         self.batches.load_state(state["data_rng"])
         torch.set_rng_state(tensors["rng.torch"])
