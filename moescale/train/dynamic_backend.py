@@ -49,8 +49,9 @@ from pathlib import Path
 
 import torch
 
-from moescale.train.backends import ExpertParallelBackend, check_rows
+from moescale.train.backends import check_rows
 from moescale.train.config import RunConfig
+from moescale.train.ep_backend import ExpertParallelBackend
 
 STORE_ROWS = {"exp_avg": 2, "exp_avg_sq": 3}   # offload.store EXP_AVG, EXP_AVG_SQ
 

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from moescale.train.backends import ExpertParallelBackend, OffloadBackend
+from moescale.train.backends import OffloadBackend
 from moescale.train.config import RunConfig
+from moescale.train.ep_backend import ExpertParallelBackend
 
 
 class ExpertParallelOffloadBackend(ExpertParallelBackend):
