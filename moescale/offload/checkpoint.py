@@ -45,11 +45,10 @@ import shutil
 import warnings
 
 import torch
-import xxhash
 
 from moescale.atomic import atomic_write_text, fsync_dir
-from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up
-from moescale.offload.disk_tier import POS_GRAD, STATE, G, rows_of
+from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up, chunk_sums
+from moescale.offload.records import POS_GRAD, STATE, G, rows_of
 from moescale.offload.store import LOGICAL_POS, ExpertStore
 
 LATEST = "expert-store.LATEST"
@@ -63,11 +62,6 @@ class StoreCheckpointError(ValueError):
 
 def _record_path(root: str, key) -> str:
     return os.path.join(root, f"layer{key[0]:03d}", f"expert{key[1]:05d}.bin")
-
-
-def _chunk_sums(row_u8: torch.Tensor, chunk: int) -> list[int]:
-    data = memoryview(row_u8.numpy())
-    return [xxhash.xxh3_64_intdigest(data[s:s + chunk]) for s in range(0, len(data), chunk)]
 
 
 def _digest(body: dict) -> str:
@@ -110,7 +104,7 @@ def _write_record(path: str, data_4P: torch.Tensor) -> dict:
         for pos in range(4):
             row_u8[:4 * numel].view(torch.float32).copy_(data_4P[LOGICAL_POS.index(pos)])
             f.write(memoryview(row_u8.numpy()))
-            sums[str(pos)] = _chunk_sums(row_u8, CHUNK_BYTES)
+            sums[str(pos)] = chunk_sums(row_u8, CHUNK_BYTES)
         f.flush()
         os.fsync(f.fileno())
     return sums
@@ -143,7 +137,7 @@ def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
                 record_u8 = buf.slots[0][:4 * stride]
                 store.disk.io.read(path, 0, record_u8).result()
                 for pos, sums in snap[key]["sums"].items():
-                    if _chunk_sums(record_u8[pos * stride:(pos + 1) * stride], chunk) != sums:
+                    if chunk_sums(record_u8[pos * stride:(pos + 1) * stride], chunk) != sums:
                         raise OSError(errno.EIO, f"the store file {path!r} does not match what "
                                       "the store wrote (damaged on disk)")
                 with open(dest, "wb") as f:
@@ -298,7 +292,7 @@ def _verify(store, src, keys, infos, first_expert, chunk) -> None:
                     raise StoreCheckpointError(f"expert file {path!r} cannot be read "
                                                f"({err.strerror or err}); the checkpoint is "
                                                "corrupt or incomplete") from err
-                if _chunk_sums(row_u8, chunk) != sums.get(str(pos)):
+                if chunk_sums(row_u8, chunk) != sums.get(str(pos)):
                     raise StoreCheckpointError(f"expert file {path!r} does not match its "
                                                "checksum; the checkpoint is corrupt")
     finally:

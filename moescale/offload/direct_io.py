@@ -39,6 +39,13 @@ def align_up(nbytes: int, align: int = ALIGN) -> int:
     return (nbytes + align - 1) // align * align
 
 
+def chunk_sums(data_u8: torch.Tensor, chunk: int = CHUNK_BYTES) -> list[int]:
+    """The xxh3-64 sum of each `chunk` bytes of a uint8 tensor, in order (what `write` returns
+    for the same bytes)."""
+    data = memoryview(data_u8.numpy())
+    return [xxhash.xxh3_64_intdigest(data[s:s + chunk]) for s in range(0, len(data), chunk)]
+
+
 class SlotPool:
     """`num_slots` page-aligned host buffers of `slot_bytes` each, reused for every access."""
 

@@ -1,12 +1,10 @@
 """The disk tier of the ExpertStore: one file per expert, a fixed pool of host slots, reads ahead
 from the known schedule, write-back behind it, all off the caller's thread and outside the lock.
 
-Record file (and slot) format: the four fp32 rows of an expert at a stride of `align_up(4 P)`
-bytes, in the order MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, so that what a step needs (master and
-moments) is one contiguous range and the gradient row, which is zero between steps, is read
-and written only while micro-batches accumulate (`grad_on_disk`). A slot holds any subset of
-the rows (`valid`, `dirty` are bit masks over row positions); the forward reads the master row
-only, backward the rest.
+Record files and slots have the format of records.py; a slot holds any subset of the rows
+(`valid`, `dirty` are bit masks over row positions): the forward reads the master row only,
+backward the rest; the gradient row, zero between steps, is read and written only while
+micro-batches accumulate (`grad_on_disk`).
 
 Scheduling: the store is told the order of coming accesses (`set_upcoming`: (key, rows) in
 order; forward order after routing, backward is known from the forward). `_pump` (run on every
@@ -23,7 +21,7 @@ and never sees a later step. Every write records the xxh3-64 checksum of each ch
 row it wrote; `snapshot` hands them to the checkpoint manifest.
 
 Deliberately not here: the host tier and the record API (store.py), direct I/O (direct_io.py),
-the checkpoint format (checkpoint.py).
+the order of coming accesses (schedule.py), the checkpoint format (checkpoint.py).
 
 Legend: P parameters of one expert.
 """
@@ -33,36 +31,17 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from moescale.offload.direct_io import DirectIO, SlotPool, align_up, gather
+from moescale.offload.direct_io import DirectIO, SlotPool, align_up, chunk_sums, gather
+from moescale.offload.records import (POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER,
+                                      STATE, G, rows_of, runs_of)
+from moescale.offload.schedule import AccessSchedule
 
 Key = tuple[int, int]
-# row positions in a record file / slot
-POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD = 0, 1, 2, 3
-M, A, S, G = 1, 2, 4, 8          # bit masks of those rows
-STATE = M | A | S                # what persists between steps
-ALL = STATE | G
-
-
-def rows_of(mask: int) -> list[int]:
-    return [p for p in range(4) if mask >> p & 1]
-
-
-def runs_of(mask: int) -> list[tuple[int, int]]:
-    """Contiguous runs (first position, count) of the rows in mask."""
-    out: list[tuple[int, int]] = []
-    for p in rows_of(mask):
-        if out and out[-1][0] + out[-1][1] == p:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((p, 1))
-    return out
 
 
 @dataclass
@@ -95,14 +74,11 @@ class DiskTier:
         self.frozen: set[Key] = set()             # files linked by a checkpoint
         self.grad_on_disk: set[Key] = set()       # the file's gradient row is current
         self.sums: dict[Key, dict[int, list[int]]] = {}   # row position -> chunk xxh3-64s
-        self._upcoming: list[tuple[Key, int]] = []
-        self._head = 0
-        self._uses: dict[Key, deque[int]] = {}
+        self.schedule = AccessSchedule()
         self._reads = self._writes = 0
         self._waiting = 0                         # foreground accesses waiting for a slot
         self.peak_cache_bytes = 0
         self.grad_rows_moved = 0                  # gradient rows read or written (spills)
-        self.warned_buffered = False
 
     # ----------------------------------------------------------------- geometry
     def stride(self, layer: int) -> int:
@@ -145,7 +121,7 @@ class DiskTier:
         staging = SlotPool(1, stride)
         row_u8 = staging.slots[0]
         row_P = row_u8[:4 * numel].view(torch.float32)
-        zeros = self._zero_sums(stride)
+        zeros = chunk_sums(torch.zeros(stride, dtype=torch.uint8), self.io.chunk_bytes)
         try:
             for e in range(num_experts):
                 key = (layer, e)
@@ -156,17 +132,6 @@ class DiskTier:
                 self.gen[key] = 0
         finally:
             staging.close()
-        if not self.io.direct and not self.warned_buffered:
-            self.warned_buffered = True
-            import warnings
-            warnings.warn(f"the filesystem of {self.directory!r} refuses O_DIRECT (tmpfs?): the "
-                          "disk tier uses buffered I/O with posix_fadvise(DONTNEED) there",
-                          RuntimeWarning, stacklevel=3)
-
-    def _zero_sums(self, stride: int) -> list[int]:
-        chunk = self.io.chunk_bytes
-        return [xxhash.xxh3_64_intdigest(bytes(min(chunk, stride - s)))
-                for s in range(0, stride, chunk)]
 
     def _ensure_pool(self) -> None:
         if self.pool is not None:
@@ -192,40 +157,23 @@ class DiskTier:
     def set_upcoming(self, accesses: list[tuple[Key, int]]) -> None:
         self._ensure_pool()
         with self._lock:
-            self._upcoming, self._head, self._uses = list(accesses), 0, {}
-            for i, (key, _) in enumerate(self._upcoming):
-                self._uses.setdefault(key, deque()).append(i)
+            self.schedule.set(accesses)
             self._pump()
 
     def pending_accesses(self) -> list[tuple[Key, int]]:
         with self._lock:
-            return [a for i, a in enumerate(self._upcoming[self._head:], self._head)
-                    if self._uses.get(a[0]) and i in self._uses[a[0]]]
-
-    def _consume(self, key: Key) -> None:
-        uses = self._uses.get(key)
-        if uses:
-            uses.popleft()
-        while self._head < len(self._upcoming):
-            k = self._upcoming[self._head][0]
-            if self._uses.get(k) and self._uses[k][0] == self._head:
-                break
-            self._head += 1
-
-    def _next_use(self, key: Key) -> float:
-        uses = self._uses.get(key)
-        return uses[0] if uses else math.inf
+            return self.schedule.pending()
 
     # ----------------------------------------------------------------- access
     def acquire(self, key: Key, rows: int) -> _Entry:
         """The entry of key with `rows` valid, pinned until release (blocks on reads)."""
         self._ensure_pool()
         with self._lock:
-            self._consume(key)
+            self.schedule.consume(key)
             while True:
                 entry = self._cache.get(key)
                 if entry is None:
-                    slot = self._free_slot(self._next_use(key), foreground=True)
+                    slot = self._free_slot(self.schedule.next_use(key), foreground=True)
                     if slot is None:
                         self._waiting += 1     # prefetch leaves freed slots to us
                         self._changed.wait()
@@ -310,7 +258,7 @@ class DiskTier:
             if entry.error is not None:
                 failed = entry
                 continue
-            use = self._next_use(entry.key)
+            use = self.schedule.next_use(entry.key)
             if use > victim_use:
                 victim, victim_use = entry, use
         if victim is None and failed is not None and foreground:
@@ -341,16 +289,11 @@ class DiskTier:
             if self._writes >= self.max_writes:
                 break
             if entry.dirty and not entry.pins and entry.busy is None and \
-                    entry.error is None and self._next_use(entry.key) == math.inf:
+                    entry.error is None and self.schedule.next_use(entry.key) == math.inf:
                 self._start_write(entry, evict=False)
-        seen: set[Key] = set()
-        for i in range(self._head, len(self._upcoming)):
+        for i, key, rows in self.schedule.first_uses():
             if self._reads >= self.max_reads:
                 break
-            key, rows = self._upcoming[i]
-            if key in seen or not (self._uses.get(key) and self._uses[key][0] == i):
-                continue
-            seen.add(key)
             entry = self._cache.get(key)
             if entry is not None:
                 if entry.busy is None and entry.error is None:
@@ -361,8 +304,7 @@ class DiskTier:
                 break
             entry = self._cache[key] = _Entry(key, slot)
             self._peak()
-            if not self._start_read(entry, rows):
-                continue
+            self._start_read(entry, rows)
 
     # ----------------------------------------------------------------- write-back
     def _start_write(self, entry: _Entry, evict: bool) -> None:

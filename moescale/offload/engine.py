@@ -49,7 +49,7 @@ from moescale.offload.direct_io import align_up
 from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
 from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
 from moescale.offload.optimizer import STEP_MODES, AdamWConfig, HostOptimizer
-from moescale.offload.disk_tier import ALL, G, M
+from moescale.offload.records import ALL, G, M
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

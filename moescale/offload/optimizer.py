@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 from torch.optim.adamw import adamw
 
-from moescale.offload.disk_tier import ALL, G, STATE
+from moescale.offload.records import ALL, G, STATE
 from moescale.offload.store import ExpertStore, Key
 
 IMPLS = ("single", "foreach", "fused")

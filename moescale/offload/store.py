@@ -33,19 +33,21 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
 
-from moescale.offload import disk_tier
+from moescale.offload import records
 from moescale.offload.direct_io import align_up
-from moescale.offload.disk_tier import ALL, DiskTier
+from moescale.offload.disk_tier import DiskTier
+from moescale.offload.records import ALL
 
 MASTER, GRAD, EXP_AVG, EXP_AVG_SQ = 0, 1, 2, 3
 # where each of those rows sits in a disk-tier record file / slot
-LOGICAL_POS = (disk_tier.POS_MASTER, disk_tier.POS_GRAD, disk_tier.POS_EXP_AVG,
-               disk_tier.POS_EXP_AVG_SQ)
+LOGICAL_POS = (records.POS_MASTER, records.POS_GRAD, records.POS_EXP_AVG,
+               records.POS_EXP_AVG_SQ)
 TIERS = ("host", "disk")
 Key = tuple[int, int]
 
@@ -233,6 +235,10 @@ class ExpertStore:
         except BaseException:   # leave nothing behind: a half-written layer is useless
             shutil.rmtree(self.disk._layer_dir(layer), ignore_errors=True)
             raise
+        if layer == 0 and not self.disk.io.direct:
+            warnings.warn(f"the filesystem of {self.config.directory!r} refuses O_DIRECT "
+                          "(tmpfs?): the disk tier uses buffered I/O with "
+                          "posix_fadvise(DONTNEED) there", RuntimeWarning, stacklevel=4)
 
     def shared_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (data_E4P, steps_E) of a host store in shared memory, to hand to other
@@ -280,7 +286,7 @@ class ExpertStore:
     # ----------------------------------------------------------------- access
     def acquire(self, key: Key, rows: int = ALL) -> ExpertRecord:
         """The record of `key`, pinned until `release(key)`. On the disk tier only `rows` (a
-        mask of disk_tier.M | A | S | G) are guaranteed loaded (blocks on reads)."""
+        mask of records.M | A | S | G) are guaranteed loaded (blocks on reads)."""
         if self.config.tier == "host":
             layer, e = key
             data_4P = self._host[layer][e]
@@ -299,7 +305,7 @@ class ExpertStore:
         """(master_P, done): the expert's fp32 master for an upload (on the disk tier only the
         master row is read when the record is not cached); call done() once the copy is made.
         The caller has waited for the expert's step fence, so the master is current."""
-        rec = self.acquire(key, disk_tier.M)
+        rec = self.acquire(key, records.M)
         return rec.master_P, lambda: self.release(key)
 
     def read_record(self, key: Key) -> tuple[torch.Tensor, float]:

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from moescale.offload.disk_tier import ALL, G, M, STATE
+from moescale.offload.records import ALL, G, M, STATE
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 
 LAYOUT = ExpertLayout([("w1", (31, 32)), ("b", (32,))])  # P = 1024: a row is 4 KiB
