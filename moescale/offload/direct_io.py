@@ -114,14 +114,17 @@ def gather(futures: list[Future]) -> Future:
 class DirectIO:
     """Chunked O_DIRECT reads and writes on thread pools (buffered + DONTNEED as fallback)."""
 
-    def __init__(self, threads: int = 4, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, threads: int = 4, chunk_bytes: int = CHUNK_BYTES,
+                 direct: bool = True) -> None:
+        """direct=False: always buffered I/O + DONTNEED (as where O_DIRECT is refused)."""
         if threads < 1:
             raise ValueError(f"io_threads={threads!r} must be >= 1")
         assert chunk_bytes % ALIGN == 0
         self.chunk_bytes = chunk_bytes
         self._readers = ThreadPoolExecutor(threads, thread_name_prefix="moescale-read")
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="moescale-write")
-        self.direct: bool | None = None   # False once a file had to be opened buffered
+        self.direct: bool | None = None if direct else False   # False: some file is buffered
+        self._try_direct = direct
         self._buffered: set[int] = set()   # fds of such files
         self.bytes_read = 0
         self.bytes_written = 0
@@ -131,10 +134,11 @@ class DirectIO:
     def open(self, path: str, create: bool = False, write: bool = True) -> int:
         flags = (os.O_RDWR if write else os.O_RDONLY) | (os.O_CREAT if create else 0)
         try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o644)
-            if self.direct is None:
-                self.direct = True
-            return fd
+            if self._try_direct:
+                fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                if self.direct is None:
+                    self.direct = True
+                return fd
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise

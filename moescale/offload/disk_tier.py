@@ -60,9 +60,10 @@ class DiskTier:
     """Expert records in files, cached in a fixed pool of host slots (thread-safe)."""
 
     def __init__(self, directory: str, host_cache_bytes: int, io_threads: int = 4,
-                 pin_memory: bool = False, max_reads: int = 2, max_writes: int = 2) -> None:
+                 pin_memory: bool = False, max_reads: int = 2, max_writes: int = 2,
+                 direct_io: bool = True) -> None:
         self.directory, self.host_cache_bytes = directory, host_cache_bytes
-        self.io = DirectIO(io_threads)
+        self.io = DirectIO(io_threads, direct=direct_io)
         self._writeback = ThreadPoolExecutor(max_writes, thread_name_prefix="moescale-wb")
         self.pin_memory, self.max_reads, self.max_writes = pin_memory, max_reads, max_writes
         self.numels: list[int] = []               # P per layer

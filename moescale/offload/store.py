@@ -81,6 +81,7 @@ class StoreConfig:
     pin_memory: bool = False
     shared_memory: bool = False
     io_threads: int = 4
+    direct_io: bool = True    # False: buffered I/O + posix_fadvise(DONTNEED) (as on tmpfs)
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -217,7 +218,7 @@ class ExpertStore:
         if self.disk is None:
             cache = self.config.host_cache_bytes
             self.disk = DiskTier(self.config.directory, cache or 0, self.config.io_threads,
-                                 self.config.pin_memory)
+                                 self.config.pin_memory, direct_io=self.config.direct_io)
         record = 4 * align_up(4 * layout.numel)
         cache = self.disk.host_cache_bytes
         if cache and 2 * record > cache:
@@ -235,7 +236,7 @@ class ExpertStore:
         except BaseException:   # leave nothing behind: a half-written layer is useless
             shutil.rmtree(self.disk._layer_dir(layer), ignore_errors=True)
             raise
-        if layer == 0 and not self.disk.io.direct:
+        if layer == 0 and not self.disk.io.direct and self.config.direct_io:
             warnings.warn(f"the filesystem of {self.config.directory!r} refuses O_DIRECT "
                           "(tmpfs?): the disk tier uses buffered I/O with "
                           "posix_fadvise(DONTNEED) there", RuntimeWarning, stacklevel=4)

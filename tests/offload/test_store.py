@@ -165,6 +165,19 @@ def test_tmpfs_falls_back_to_buffered_io_and_says_so(tmp_path):
         store.close()
 
 
+def test_buffered_io_mode_round_trips_and_keeps_no_gradient_on_disk(tmp_path):
+    """The fallback path (buffered I/O + DONTNEED), forced: the tmpfs of newer kernels accepts
+    O_DIRECT, so the automatic fallback may not be reachable on this machine."""
+    store = make("disk", tmp_path, cache_records=2, direct_io=False)
+    assert store.disk.io.direct is False
+    roundtrip(store)
+    store.drop_cache()
+    rec = store.acquire((0, 4))
+    assert torch.all(rec.grad_P == 4.5) and torch.equal(rec.master_P, masters(4))
+    store.release((0, 4))
+    store.close()
+
+
 def _accepts_direct(directory) -> bool:
     path = os.path.join(directory, "probe")
     try:
