@@ -30,6 +30,7 @@ def _store_rank(rank: int, world: int, directory: str):
     left = sorted(n for n in os.listdir(directory) if n.startswith("moescale-store-"))
     masters = [[store.acquire((i, e)).data_4P[MASTER].clone() for e in range(m.num_experts)]
                for i, m in enumerate(moes)]
+    dist.barrier()                   # both have read the masters before rank 1 writes
     if rank == 1:
         store.acquire((1, 5)).data_4P[MASTER, 0] = 42.0
     dist.barrier()
