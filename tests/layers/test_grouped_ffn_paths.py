@@ -16,7 +16,7 @@ import torch
 
 import moescale.layers.grouped_ffn as grouped_ffn
 from moescale import MoE
-from moescale.layers.expert_threads import balance_experts, num_expert_workers
+from moescale.layers.expert_threads import balance_experts, num_expert_workers, usable_cpus
 
 D_MODEL, D_FF = 16, 32
 VARIANTS = [pytest.param(dict(glu=False, bias=False), id="ffn"),
@@ -52,7 +52,8 @@ def make_input(tokens=40) -> torch.Tensor:
 @pytest.mark.parametrize("kw", VARIANTS)
 def test_worker_threads_match_reference(moe_helpers, two_threads, kw, capacity_factor):
     moe = build(capacity_factor, **kw)
-    assert num_expert_workers(torch.device("cpu"), [1] * 6) == 2
+    # two workers where the machine has two CPUs for them (on one CPU: serial)
+    assert num_expert_workers(torch.device("cpu"), [1] * 6) == (2 if usable_cpus() >= 2 else 0)
     moe_helpers.check_against_reference(moe, make_input())
     assert torch.get_num_threads() == 2   # the caller's thread count is restored
 
