@@ -173,34 +173,42 @@ def _run_chunks(counts, max_rows: int, device: torch.device,
 
 
 def ffn_forward_blocks(num_rows: int, counts, w: FFNWeights, act: Activation,
-                x_rows: Callable, y_dest: Callable, y_done: Callable | None,
-                like: torch.Tensor):
-    """Forward over chunks; x_rows(s, t) gives the chunk's input rows, y_dest(s, t, n) the
-    buffer its output goes to, y_done(s, t, y) (optional) consumes it. Returns h1_RF, h3_RF."""
+                       x_rows: Callable, y_dest: Callable, y_done: Callable | None,
+                       like: torch.Tensor, keep_hidden: bool = True,
+                       max_rows: int | None = None):
+    """Forward over blocks; x_rows(s, t) gives the block's input rows, y_dest(s, t, n) the
+    buffer its output goes to (it may alias the block's input rows: they are read before the
+    output is written), y_done(s, t, y) (optional) consumes it. Returns h1_RF, h3_RF, or
+    (None, None) with keep_hidden=False (the hidden then lives in one block buffer only)."""
     hidden = w.w1_EDF.shape[2]
     work = work_dtype(like)
-    h1_RF = like.new_empty(num_rows, hidden)
-    h3_RF = like.new_empty(num_rows, hidden) if w.w3_EDF is not None else None
+    glu = w.w3_EDF is not None
+    h1_RF = like.new_empty(num_rows, hidden) if keep_hidden else None
+    h3_RF = like.new_empty(num_rows, hidden) if keep_hidden and glu else None
 
     def make_buffers(n_buf: int) -> tuple:
         a_buf = like.new_empty(n_buf, hidden, dtype=work)
-        return a_buf, (a_buf.new_empty(n_buf, hidden) if work != like.dtype else None)
+        h_bufs = (None, None) if keep_hidden else \
+            (like.new_empty(n_buf, hidden), like.new_empty(n_buf, hidden) if glu else None)
+        return a_buf, (a_buf.new_empty(n_buf, hidden) if work != like.dtype else None), h_bufs
 
     def body(e, s, t, first, buffers) -> None:
-        a_buf, h32_buf = buffers
+        a_buf, h32_buf, (h1_buf, h3_buf) = buffers
         n = t - s
+        h1_NF = h1_RF[s:t] if keep_hidden else h1_buf[:n]
         x_ND = x_rows(s, t)
-        mm_into(h1_RF[s:t], x_ND, w.w1_EDF[e], _pick(w.b1_EF, e))
-        a_NF = _activate(act, h1_RF[s:t], None if h32_buf is None else h32_buf[:n], a_buf[:n])
-        if h3_RF is not None:
-            mm_into(h3_RF[s:t], x_ND, w.w3_EDF[e])
-            a_NF.mul_(h3_RF[s:t])
+        mm_into(h1_NF, x_ND, w.w1_EDF[e], _pick(w.b1_EF, e))
+        a_NF = _activate(act, h1_NF, None if h32_buf is None else h32_buf[:n], a_buf[:n])
+        if glu:
+            h3_NF = h3_RF[s:t] if keep_hidden else h3_buf[:n]
+            mm_into(h3_NF, x_ND, w.w3_EDF[e])
+            a_NF.mul_(h3_NF)
         y_ND = y_dest(s, t, n)
         mm_into(y_ND, a_NF, w.w2_EFD[e], _pick(w.b2_ED, e))
         if y_done is not None:
             y_done(s, t, y_ND)
 
-    _run_chunks(counts, chunk_rows(hidden), like.device, make_buffers, body)
+    _run_chunks(counts, max_rows or chunk_rows(hidden), like.device, make_buffers, body)
     return h1_RF, h3_RF
 
 
@@ -209,8 +217,8 @@ def ffn_forward(x_RD: torch.Tensor, counts, w: FFNWeights, act: Activation):
     y_RD = x_RD.new_empty(x_RD.shape[0], w.w2_EFD.shape[2])
     work = work_dtype(x_RD)
     h1_RF, h3_RF = ffn_forward_blocks(x_RD.shape[0], counts, w, act,
-                               x_rows=lambda s, t: x_RD[s:t].to(work),
-                               y_dest=lambda s, t, n: y_RD[s:t], y_done=None, like=x_RD)
+                                      x_rows=lambda s, t: x_RD[s:t].to(work),
+                                      y_dest=lambda s, t, n: y_RD[s:t], y_done=None, like=x_RD)
     return y_RD, h1_RF, h3_RF
 
 
@@ -231,34 +239,54 @@ def _row_dot(a_NF: torch.Tensor, b_NF: torch.Tensor) -> torch.Tensor:
 
 
 def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
-                         x_rows: Callable, gy_rows: Callable, dx_dest: Callable | None,
-                         dx_done: Callable | None, scale_R, need_dw: bool):
-    """Backward over chunks. gy_rows(s, t) gives dL/d(scaled y) rows (unscaled by the score);
-    dx_dest(s, t, n) the buffer for the chunk's input gradient, dx_done(s, t, dx) consumes it.
+                        x_rows: Callable, gy_rows: Callable, dx_dest: Callable | None,
+                        dx_done: Callable | None, scale_R, need_dw: bool, *,
+                        like: torch.Tensor | None = None, into: FFNWeights | None = None,
+                        max_rows: int | None = None):
+    """Backward over blocks. gy_rows(s, t) gives dL/d(scaled y) rows (unscaled by the score);
+    dx_dest(s, t, n) the buffer for the block's input gradient (it may alias the block's gy or
+    x rows: they are read before dx is written), dx_done(s, t, dx) consumes it.
+
+    h1_RF None: the hidden is recomputed per block from x_rows (GEMM 1 again, into a block
+    buffer of `like`'s dtype, exactly as ffn_forward_blocks computed it). `into`: weight
+    gradients accumulate into these tensors (zeroed by the caller) instead of fresh ones.
     Returns (FFNWeights of grads or Nones, dscale_R fp32 or None)."""
-    hidden = h1_RF.shape[1]
-    work = work_dtype(h1_RF)
-    glu = h3_RF is not None
-    gw = FFNWeights(*(_empty_grad(p, counts, need_dw) for p in
-                      (w.w1_EDF, w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)))
+    hidden = w.w1_EDF.shape[2]
+    like = h1_RF if h1_RF is not None else like
+    work = work_dtype(like)
+    glu = w.w3_EDF is not None
+    gw = into if into is not None else FFNWeights(
+        *(_empty_grad(p, counts, need_dw) for p in
+          (w.w1_EDF, w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)))
     dscale_R = None if scale_R is None else scale_R.new_zeros(
         scale_R.shape[0], dtype=torch.promote_types(scale_R.dtype, torch.float32))
 
     def make_buffers(n_buf: int) -> tuple:
-        ga_buf = h1_RF.new_empty(n_buf, hidden, dtype=work)
+        ga_buf = like.new_empty(n_buf, hidden, dtype=work)
+        h_bufs = (None, None) if h1_RF is not None else \
+            (like.new_empty(n_buf, hidden), like.new_empty(n_buf, hidden) if glu else None)
         return (ga_buf, torch.empty_like(ga_buf), torch.empty_like(ga_buf) if glu else None,
-                torch.empty_like(ga_buf) if work != h1_RF.dtype else None)
+                torch.empty_like(ga_buf) if work != like.dtype else None, h_bufs)
 
     def body(e, s, t, first, buffers) -> None:
-        ga_buf, a1_buf, a_buf, h32_buf = buffers
+        ga_buf, a1_buf, a_buf, h32_buf, (h1_buf, h3_buf) = buffers
+        first = first and into is None
         n = t - s
+        x_ND = x_rows(s, t)
+        if h1_RF is None:                       # recompute GEMM 1 (and the gate's)
+            h1_blk, h3_blk = h1_buf[:n], h3_buf[:n] if glu else None
+            mm_into(h1_blk, x_ND, w.w1_EDF[e], _pick(w.b1_EF, e))
+            if glu:
+                mm_into(h3_blk, x_ND, w.w3_EDF[e])
+        else:
+            h1_blk, h3_blk = h1_RF[s:t], h3_RF[s:t] if glu else None
         gy_ND = gy_rows(s, t)
         ga_NF = ga_buf[:n]
         mm_into(ga_NF, gy_ND, w.w2_EFD[e].t())
         h32_NF = None if h32_buf is None else h32_buf[:n]
-        a1_NF = _activate(act, h1_RF[s:t], h32_NF, a1_buf[:n])
-        h1_NF = h1_RF[s:t] if h32_NF is None else h32_NF   # work-dtype copy of h1
-        a_NF = torch.mul(a1_NF, h3_RF[s:t], out=a_buf[:n]) if glu else a1_NF
+        a1_NF = _activate(act, h1_blk, h32_NF, a1_buf[:n])
+        h1_NF = h1_blk if h32_NF is None else h32_NF   # work-dtype copy of h1
+        a_NF = torch.mul(a1_NF, h3_blk, out=a_buf[:n]) if glu else a1_NF
         if scale_R is not None:
             dscale_R[s:t] = _row_dot(ga_NF, a_NF)
             if w.b2_ED is not None:
@@ -272,9 +300,8 @@ def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
                 _set_or_add(gw.b2_ED[e], gy_ND.sum(0), first)
         if glu:
             dh3_NF = torch.mul(ga_NF, a1_NF, out=a_NF)
-            ga_NF.mul_(h3_RF[s:t])
+            ga_NF.mul_(h3_blk)
         dh1_NF = act.backward_into(ga_NF, h1_NF, a1_NF)
-        x_ND = x_rows(s, t)
         if need_dw:
             mm_into(gw.w1_EDF[e], x_ND.t(), dh1_NF, accumulate=not first)
             if gw.b1_EF is not None:
@@ -289,7 +316,7 @@ def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
             if dx_done is not None:
                 dx_done(s, t, dx_ND)
 
-    _run_chunks(counts, chunk_rows(hidden), h1_RF.device, make_buffers, body)
+    _run_chunks(counts, max_rows or chunk_rows(hidden), like.device, make_buffers, body)
     return gw, dscale_R
 
 
