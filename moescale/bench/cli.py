@@ -21,7 +21,7 @@ BENCHMARKS = {
                      "disk tier beyond RAM: >= 8 GB expert state, peak RSS, bytes moved"),
     "plan-check": ("moescale.bench.plan_check", "planner step-time predictions vs measured"),
     "ep-memory": ("moescale.bench.ep_memory",
-                  "pipelined all-to-all: saved + buffer bytes per strategy and chunk count"),
+                  "pipelined all-to-all: real per-rank peak vs formula, step time, auto pick"),
     "ep-speed": ("moescale.bench.ep_speed",
                  "pipelined all-to-all: step time per chunk count, tuner pick, overlap"),
 }

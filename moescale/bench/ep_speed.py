@@ -9,7 +9,7 @@ over ranks. Then, from the medians (the tuner's estimator too):
 
   T_comp        the local experts' forward + backward on this rank's received rows, no exchange
   T_comm        the four exchanges of one step (dispatch, combine and their backward) alone
-  T_pipe(C)     PipelinedAllToAll alone (strategy none), forward + backward, C chunks
+  T_pipe(C)     PipelinedAllToAll alone (strategy none; its combine included), fwd + bwd, C chunks
   overlap(C)  = (T_comm + T_comp - T_pipe(C)) / min(T_comm, T_comp)   (1: comm fully hidden)
 
 and the tuner (num_chunks="auto", candidates 1/2/4/8, `--trials` round-robin trials each after
@@ -74,7 +74,7 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
     with torch.no_grad():
         route = probe.router(x)
         plan = build_plan(route.scores_TK, route.expert_ids_TK, args["experts"])
-    send, recv, _ = probe.dispatcher._exchange(plan, x.device)
+    send, recv, _, _ = probe.dispatcher._exchange(plan, x.device)
     local = probe.experts.local
     _, local_counts = expert_major_order(recv, x.device)
     send_splits, recv_splits = [sum(r) for r in send], [sum(r) for r in recv]
@@ -94,7 +94,7 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
         def run():
             spec = probe.dispatcher.spec(plan, send, recv, chunks, "none")
             xin = x.clone().requires_grad_(True)
-            run_grouped_pipeline(xin, spec, local).square().mean().backward()
+            run_grouped_pipeline(xin, plan.scores_R, spec, local).square().mean().backward()
         return run
 
     timed = {name: (lambda m=moe: step(m)) for name, moe in items.items()}

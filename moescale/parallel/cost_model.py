@@ -1,13 +1,20 @@
-"""Cost model for the pipelined all-to-all: memory formulas, measured rates, time prediction.
+"""Cost model for the pipelined all-to-all: memory per strategy, measured rates, time prediction.
 
-Memory (bytes on the device, per layer and rank; S rows received by this rank's experts,
+Memory. What decides is the per-rank PEAK of one layer step (forward + backward), which
+`moescale.parallel.memory_model` computes from the buffers the code allocates
+(`pipelined_peak_bytes`, `unpipelined_peak_bytes`) and `moescale bench ep-memory` checks
+against the peak RSS it measures (within 10%). `memory_bytes` below is MPipeMoE's own
+accounting of what a strategy keeps for backward (S rows received by this rank's experts,
 D model width, F hidden width, G = 2 for GLU experts else 1, b bytes per element, C chunks):
 
   what backward needs   DI = S*D*b (dispatched input)        H = G*S*F*b (expert hidden)
   none                  device: DI + H                         buffers: 0
   S1 / S2 / S3 / S4     device: 0 (offloaded to host, re-communicated or recomputed)
-                        buffers: min(2, C) * ceil(S/C) * D * b (the rotating receive slots)
+                        buffers: min(3, C) * ceil(S/C) * D * b (the forward's receive slots)
   host (offloaded)      S1: DI + H, S2: DI, S3: H, S4: 0
+
+it sets the offload copy time below; it is not the peak (weight gradients, output gradients,
+the exchanges' send and receive rows and the kernels' block buffers are also alive then).
 
 Time (one forward + backward of the layer's exchange and experts):
 
@@ -22,6 +29,11 @@ The overlap term says a C-chunk pipeline hides all but one chunk of the shorter 
 Rates come from `measure_rates` (timed GEMM, two all-to-all sizes for latency and bandwidth, a
 copy), maximized over the EP group so every rank predicts the same and picks the same.
 
+`choose_strategy` picks the fastest predicted strategy among those whose peak is at most the
+unpipelined dispatcher's (so `auto` never costs memory; when none is, the unpipelined
+dispatcher itself) and, when given, at most the memory limit; measured peaks (from
+`moescale bench ep-memory`) replace the formulas when supplied.
+
 It does not model the router, attention or the combine's index_add (the same for every choice).
 """
 
@@ -30,37 +42,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 from moescale.parallel.all_to_all import collective_errors, start_all_to_all
+from moescale.parallel.memory_model import (STRATEGIES, STRATEGY_NAMES, LayerShape,
+                                            pipelined_peak_bytes, unpipelined_peak_bytes)
 
-STRATEGY_NAMES = ("none", "S1", "S2", "S3", "S4")
-STRATEGIES = MappingProxyType({   # read-only: (dispatched input, hidden)
-    "none": ("keep", "keep"),
-    "S1": ("offload", "offload"),
-    "S2": ("offload", "recompute"),
-    "S3": ("recomm", "offload"),
-    "S4": ("recomm", "recompute"),
-})
-
-
-@dataclass(kw_only=True)
-class LayerShape:
-    rows: int                 # S: rows received by this rank's experts in one call
-    d_model: int
-    d_ff: int
-    glu: bool = False
-    elem_bytes: int = 4
-    ep_size: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("rows", "d_model", "d_ff", "elem_bytes", "ep_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "rows" else 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+__all__ = ["STRATEGIES", "STRATEGY_NAMES", "LayerShape", "MemoryEstimate", "Rates",
+           "TimeEstimate", "choose_strategy", "measure_rates", "memory_bytes",
+           "predict_seconds"]
 
 
 @dataclass
@@ -85,7 +78,7 @@ def memory_bytes(shape: LayerShape, strategy: str, chunks: int) -> MemoryEstimat
     host = (di if di_mode == "offload" else 0) + (h if h_mode == "offload" else 0)
     buffers = 0
     if strategy != "none":
-        buffers = min(2, chunks) * math.ceil(shape.rows / chunks) * shape.d_model * \
+        buffers = min(3, chunks) * math.ceil(shape.rows / chunks) * shape.d_model * \
             shape.elem_bytes
     return MemoryEstimate(device_saved=saved, buffers=buffers, host=host)
 
@@ -124,23 +117,38 @@ def predict_seconds(shape: LayerShape, rates: Rates, strategy: str, chunks: int)
 
 def choose_strategy(shape: LayerShape, rates: Rates, chunks: int,
                     memory_limit_bytes: float | None = None,
-                    candidates: tuple[str, ...] = STRATEGY_NAMES) -> tuple[str, list[dict]]:
-    """The fastest predicted strategy whose device memory fits; (name, table of all)."""
+                    candidates: tuple[str, ...] = STRATEGY_NAMES,
+                    peaks: Mapping[str, float] | None = None) -> tuple[str, list[dict]]:
+    """The fastest predicted configuration whose per-rank peak is at most the unpipelined
+    dispatcher's and at most `memory_limit_bytes`; (name, table of all).
+
+    The candidates are the pipelined strategies at `chunks` and "unpipelined" (the plain
+    dispatcher: no overlap, so predicted like `none` at one chunk). Ties go to the earlier
+    candidate, so the unpipelined dispatcher is picked only when no strategy fits or it is
+    predicted strictly faster. `peaks` (optional): measured peak bytes per strategy name at
+    this chunk count and under "unpipelined"; any entry given replaces the formula."""
+    peaks = peaks or {}
+    baseline = peaks.get("unpipelined", unpipelined_peak_bytes(shape))
     table = []
-    for name in candidates:
-        mem = memory_bytes(shape, name, chunks)
-        t = predict_seconds(shape, rates, name, chunks)
-        table.append(dict(strategy=name, fits=memory_limit_bytes is None or
-                          mem.device_total <= memory_limit_bytes, device_bytes=mem.device_total,
-                          host_bytes=mem.host, **asdict(t)))
+    for name in tuple(candidates) + ("unpipelined",):
+        plain = name == "unpipelined"
+        peak = baseline if plain else peaks.get(name, pipelined_peak_bytes(shape, name, chunks))
+        mem = memory_bytes(shape, "none" if plain else name, chunks)
+        t = predict_seconds(shape, rates, "none", 1) if plain else \
+            predict_seconds(shape, rates, name, chunks)
+        table.append(dict(strategy=name, peak_bytes=int(peak), unpipelined_bytes=int(baseline),
+                          fits=peak <= baseline and (memory_limit_bytes is None or
+                                                     peak <= memory_limit_bytes),
+                          measured=name in peaks, kept_bytes=mem.device_total,
+                          host_bytes=0 if plain else mem.host, **asdict(t)))
     fitting = [row for row in table if row["fits"]]
     if not fitting:
-        smallest = min(table, key=lambda row: row["device_bytes"])
+        smallest = min(table, key=lambda row: row["peak_bytes"])
         raise ValueError(f"memory_limit_bytes={memory_limit_bytes} is below every strategy's "
-                         f"need (smallest: {smallest['strategy']} with "
-                         f"{smallest['device_bytes']} bytes at chunks={chunks}); raise the "
-                         "limit or use more chunks")
-    best = min(fitting, key=lambda row: (row["total_s"], STRATEGY_NAMES.index(row["strategy"])))
+                         f"per-rank peak (smallest: {smallest['strategy']} with "
+                         f"{smallest['peak_bytes']} bytes at chunks={chunks}); raise the limit "
+                         "or use more chunks")
+    best = min(fitting, key=lambda row: (row["total_s"], table.index(row)))
     return best["strategy"], table
 
 

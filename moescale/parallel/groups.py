@@ -40,7 +40,8 @@ class ParallelConfig:
     timeout_s: process-group timeout; a collective waiting longer raises.
     chunks:    1 (plain exchange), a chunk count (pipelined), or "auto" (online tuner).
     reuse:     pipelined memory reuse: "none", "S1".."S4", or "auto" (cost model).
-    memory_limit_bytes: device bytes the cost model may use per layer (reuse="auto").
+    memory_limit_bytes: per-rank peak bytes one layer step may reach (forward + backward,
+        weight gradients included; reuse="auto"; see moescale.parallel.memory_model).
     """
 
     ep_size: int | None = None

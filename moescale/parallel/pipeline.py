@@ -1,368 +1,48 @@
-"""The pipelined expert-parallel exchange (MPipeMoE): chunked all-to-all overlapped with experts.
+"""The pipelined expert-parallel dispatcher (MPipeMoE): static EP through a chunked, overlapped
+all-to-all with memory reuse, its chunk count tuned online and its strategy chosen by a cost
+model.
 
-`PipelinedAllToAll` is one autograd Function covering dispatch, the local grouped experts and
-the return exchange, with a hand-written, hand-pipelined backward:
+The pieces live beside it:
 
-  forward   chunk k+1's dispatch all-to-all is in flight (async) while chunk k's experts run;
-            chunk k's result goes back on a second process group (the combine group), so the
-            two directions never queue behind each other.
-  backward  chunk k+1's output gradient travels (combine group) while chunk k's expert
-            backward runs; chunk k's input gradient goes back on the dispatch group.
+  pipeline_layout.py    chunk cuts inside every (peer, expert) bin, `PipelineSpec`
+  pipeline_schedule.py  the chunk schedule of both directions, receive slots, combine fused in
+  pipeline_grouped.py   `PipelinedAllToAll` over grouped FFN/GLU experts (strategies none, S1-S4)
+  pipeline_modules.py   `PipelinedModuleAllToAll` over any expert modules (none, S2, S4)
+  cost_model.py         per-rank peak memory and step time per strategy; `choose_strategy`
+  tuner.py              the online chunk-count tuner
 
-Chunks are cut inside every (peer, expert) bin: a bin of n rows is cut into C pieces, piece j
-= rows [n*j//C, n*(j+1)//C), and chunk k takes piece (k + s*L + l) mod C of the bin that source
-rank s sends to local expert l. The rotation spreads the bins' larger pieces over the chunks, so
-each chunk receives ceil(S/C) rows give or take one (without it, chunk C-1 would take the larger
-piece of every bin: up to S/C + W*L rows). Sender and receiver know n (the counts exchange) and
-(s, l), so both compute the same cuts: no padding, no extra messages, one exchange per chunk and
-direction.
+This file only decides, per call: the counts exchange (which also carries each rank's row count
+and last measured time for the tuner), the chunk count, the strategy, and which Function runs.
+The Function returns y_TD already combined (score-weighted sum per token), so the dispatcher
+does not call `combine_rows`.
 
-Memory reuse (MPipeMoE's strategies; `none` keeps everything per chunk). What backward needs
-of each chunk is the dispatched input (DI) and the expert hidden (H):
-
-  strategy   DI                                  H
-  none       kept (one buffer per chunk)         kept
-  S1         offloaded to host, reloaded         offloaded, reloaded
-  S2         offloaded, reloaded                 recomputed (GEMM 1 re-run)
-  S3         re-communicated (dispatch re-run)   offloaded, reloaded
-  S4         re-communicated                     recomputed
-
-With a strategy other than `none` the forward receives every chunk into one of two rotating
-receive buffers (double buffering: chunk k computes while k+1 arrives), and nothing per chunk
-stays on the device. Offloaded copies are synchronous (correct everywhere; overlapping them on
-a side stream is not done yet).
-
-Gradient scale: as in `ExpertParallelDispatcher`, expert weight gradients are multiplied by
-1/W (the ranks' losses are averaged); input gradients are not.
-
-Legend: T tokens, R rows sent (grouped by global expert), S rows received in one chunk,
-D model width, F expert hidden width, W ranks of the EP group, L experts per rank, C chunks.
+Legend: T tokens, R rows sent (grouped by global expert), D model width, W ranks of the EP
+group, L experts per rank.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
-from moescale.dispatch.local import combine_rows
 from moescale.dispatch.plan import RoutingPlan
+from moescale.layers.expert_threads import num_expert_workers
 from moescale.layers.experts import GroupedExperts, compute_dtype
-from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward, mm_into, segments
-from moescale.parallel.all_to_all import exchange_counts, start_all_to_all
-from moescale.parallel.cost_model import (STRATEGIES, LayerShape, Rates, choose_strategy,
-                                          measure_rates)
-from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, expert_major_order,
-                                               inverse_permutation, segments_index)
+from moescale.layers.grouped_ffn import work_dtype
+from moescale.parallel.all_to_all import exchange_counts
+from moescale.parallel.cost_model import STRATEGIES, LayerShape, Rates, choose_strategy, \
+    measure_rates
+from moescale.parallel.expert_parallel import ExpertParallelDispatcher
 from moescale.parallel.groups import ParallelGroups
+from moescale.parallel.pipeline_grouped import PipelinedAllToAll, run_grouped_pipeline
+from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec, chunk_layouts
+from moescale.parallel.pipeline_schedule import elapsed, mark
 from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
 
-
-def _cut(n: int, k: int, num_chunks: int, rotation: int) -> tuple[int, int]:
-    """Rows [lo, hi) of an n-row bin that chunk k takes (its piece (k + rotation) mod C)."""
-    j = (k + rotation) % num_chunks
-    return n * j // num_chunks, n * (j + 1) // num_chunks
-
-
-def _piece(n: int, k: int, num_chunks: int, rotation: int) -> int:
-    lo, hi = _cut(n, k, num_chunks, rotation)
-    return hi - lo
-
-
-@dataclass
-class ChunkLayout:
-    """One chunk: what this rank sends (rows of the plan, their tokens) and receives."""
-
-    send_splits: list[int]
-    recv_splits: list[int]
-    row_idx: torch.Tensor            # positions in the plan's row order (R) of the sent rows
-    token_idx: torch.Tensor          # their tokens
-    perm: torch.Tensor | None        # received (source-major) -> expert-major
-    inv_perm: torch.Tensor | None
-    local_counts: list[int]          # rows per local expert in this chunk
-
-    @property
-    def num_recv(self) -> int:
-        return sum(self.recv_splits)
-
-
-def chunk_layouts(send_WL: list[list[int]], recv_WL: list[list[int]],
-                  token_idx_R: torch.Tensor, num_chunks: int, rank: int) -> list[ChunkLayout]:
-    """Cut every (peer, expert) bin into num_chunks pieces (no padding); `rank` is this rank's
-    index in the EP group (the bins it sends are (rank, l) to their receivers)."""
-    device = token_idx_R.device
-    W, L = len(send_WL), len(send_WL[0])
-    offsets, off = {}, 0
-    for p in range(W):
-        for l in range(L):
-            offsets[p, l] = off
-            off += send_WL[p][l]
-    layouts = []
-    for k in range(num_chunks):
-        starts, lengths, send_splits = [], [], []
-        for p in range(W):
-            sent = 0
-            for l in range(L):
-                lo, hi = _cut(send_WL[p][l], k, num_chunks, rank * L + l)
-                starts.append(offsets[p, l] + lo)
-                lengths.append(hi - lo)
-                sent += hi - lo
-            send_splits.append(sent)
-        recv_piece_WL = [[_piece(recv_WL[s][l], k, num_chunks, s * L + l) for l in range(L)]
-                         for s in range(W)]
-        row_idx = segments_index(list(zip(starts, lengths)), sum(lengths), device)
-        if row_idx is None:
-            row_idx = torch.arange(sum(lengths), device=device)
-        perm, local_counts = expert_major_order(recv_piece_WL, device)
-        layouts.append(ChunkLayout(
-            send_splits=send_splits, recv_splits=[sum(r) for r in recv_piece_WL],
-            row_idx=row_idx, token_idx=token_idx_R.index_select(0, row_idx), perm=perm,
-            inv_perm=None if perm is None else inverse_permutation(perm),
-            local_counts=local_counts))
-    return layouts
-
-
-@dataclass
-class PipelineSpec:
-    """Everything the Function needs besides tensors (host data and groups)."""
-
-    layouts: list[ChunkLayout]
-    groups: ParallelGroups
-    strategy: str
-    num_rows: int                      # R: rows of the plan on this rank
-    grad_scale: float                  # multiplies expert weight gradients
-    stats: dict = field(default_factory=dict)   # filled in: buffer bytes, offloaded bytes
-    trace: list | None = None          # if a list: (event, chunk) in issue order (for tests)
-
-    def note(self, event: str, chunk: int) -> None:
-        if self.trace is not None:
-            self.trace.append((event, chunk))
-
-
-def _offload(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if t.device.type == "cpu":
-        return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t)
-
-
-def _reload(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
-
-
-def _hidden(x_RD: torch.Tensor, counts, w: FFNWeights):
-    """Recompute (h1_RF, h3_RF) exactly as ffn_forward does."""
-    hidden = w.w1_EDF.shape[2]
-    h1_RF = x_RD.new_empty(x_RD.shape[0], hidden)
-    h3_RF = x_RD.new_empty(x_RD.shape[0], hidden) if w.w3_EDF is not None else None
-    for e, s, t in segments(counts):
-        mm_into(h1_RF[s:t], x_RD[s:t], w.w1_EDF[e], None if w.b1_EF is None else w.b1_EF[e])
-        if h3_RF is not None:
-            mm_into(h3_RF[s:t], x_RD[s:t], w.w3_EDF[e])
-    return h1_RF, h3_RF
-
-
-def _reorder(t: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-    return t if perm is None else t.index_select(0, perm)
-
-
-class _Dispatcher:
-    """Launches chunk k's dispatch; with reuse, into one of two rotating receive buffers."""
-
-    def __init__(self, x_TD: torch.Tensor, spec: PipelineSpec, reuse: bool) -> None:
-        self.x_TD, self.spec = x_TD, spec
-        self.slots = None
-        if reuse:
-            rows = max((lay.num_recv for lay in spec.layouts), default=0)
-            self.slots = [x_TD.new_empty(rows, x_TD.shape[1])
-                          for _ in range(min(2, len(spec.layouts)))]
-            spec.stats["recv_buffer_bytes"] = sum(s.numel() * s.element_size()
-                                                  for s in self.slots)
-
-    def start(self, k: int, what: str):
-        self.spec.note(what, k)
-        lay = self.spec.layouts[k]
-        out = None if self.slots is None else self.slots[k % len(self.slots)][:lay.num_recv]
-        return start_all_to_all(self.x_TD.index_select(0, lay.token_idx), lay.send_splits,
-                                lay.recv_splits, self.spec.groups.ep_group, what, out=out)
-
-
-def forward_chunks(spec: PipelineSpec, disp: _Dispatcher, y_RD: torch.Tensor,
-                   compute) -> None:
-    """The forward skeleton shared by the grouped and the module pipelines: chunk k+1's
-    dispatch is in flight while chunk k computes, and chunk k's result travels back on the
-    combine group while chunk k+1 computes. `compute(k, layout, x_loc)` returns the chunk's
-    expert outputs (expert-major rows); the results land in y_RD (plan row order)."""
-    lays = spec.layouts
-    pending, back = disp.start(0, "pipelined dispatch"), None
-    for k, lay in enumerate(lays):
-        x_recv = pending.wait()
-        if k + 1 < len(lays):
-            pending = disp.start(k + 1, "pipelined dispatch")
-        spec.note("experts forward", k)
-        y_loc = compute(k, lay, _reorder(x_recv, lay.perm))
-        del x_recv
-        spec.note("pipelined combine", k)
-        ret = start_all_to_all(_reorder(y_loc.to(y_RD.dtype), lay.inv_perm), lay.recv_splits,
-                               lay.send_splits, spec.groups.ep_combine_group,
-                               "pipelined combine")
-        del y_loc
-        if back is not None:
-            y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
-        back = (k, ret)
-    y_RD.index_copy_(0, lays[back[0]].row_idx, back[1].wait())
-
-
-def backward_chunks(spec: PipelineSpec, gy_RD: torch.Tensor, x_TD: torch.Tensor | None,
-                    compute, need_dx: bool, num_tokens: int) -> torch.Tensor | None:
-    """The backward skeleton shared by both pipelines: chunk k+1's output gradients travel
-    (combine group) while chunk k's expert backward runs, and chunk k's input gradients return
-    on the dispatch group. With `x_TD` (the re-communicating strategies) chunk k+1's input is
-    re-dispatched alongside. `compute(k, layout, g_loc, x_loc or None)` runs the chunk's expert
-    backward (accumulating weight gradients itself) and returns its input gradients (expert-
-    major rows) or None; returns dx_TD (None when not needed)."""
-    lays, groups = spec.layouts, spec.groups
-
-    def send_grad(k):
-        spec.note("output grads", k)
-        return start_all_to_all(gy_RD.index_select(0, lays[k].row_idx), lays[k].send_splits,
-                                lays[k].recv_splits, groups.ep_combine_group,
-                                "pipelined backward (output grads)")
-
-    disp = _Dispatcher(x_TD, spec, reuse=True) if x_TD is not None else None
-    pend_g = send_grad(0)
-    pend_x = disp.start(0, "pipelined backward (re-dispatch)") if disp else None
-    dx_TD, back = None, None
-    for k, lay in enumerate(lays):
-        g_loc = _reorder(pend_g.wait(), lay.perm)
-        if k + 1 < len(lays):
-            pend_g = send_grad(k + 1)
-        x_loc = None
-        if disp is not None:
-            x_loc = _reorder(pend_x.wait(), lay.perm)
-            if k + 1 < len(lays):
-                pend_x = disp.start(k + 1, "pipelined backward (re-dispatch)")
-        spec.note("experts backward", k)
-        dx_loc = compute(k, lay, g_loc, x_loc)
-        del g_loc, x_loc
-        if need_dx:
-            spec.note("input grads", k)
-            ret = start_all_to_all(_reorder(dx_loc.to(gy_RD.dtype), lay.inv_perm),
-                                   lay.recv_splits, lay.send_splits, groups.ep_group,
-                                   "pipelined backward (input grads)")
-            del dx_loc
-            if back is not None:
-                dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), num_tokens)
-            back = (k, ret)
-    if back is not None:
-        dx_TD = _add_rows(dx_TD, lays[back[0]].token_idx, back[1].wait(), num_tokens)
-    return dx_TD
-
-
-class PipelinedAllToAll(torch.autograd.Function):
-    """y_RD (plan row order) = experts(x_TD[token of each row]) on the rows' owner ranks."""
-
-    @staticmethod
-    def forward(ctx, x_TD, spec: PipelineSpec, act, w1, w2, w3, b1, b2):
-        w = FFNWeights(w1, w2, w3, b1, b2)
-        di_mode, h_mode = STRATEGIES[spec.strategy]
-        kept_x, kept_h = [], []
-
-        def compute(k, lay, x_loc):
-            y_loc, h1, h3 = ffn_forward(x_loc, lay.local_counts, w, act)
-            if di_mode == "keep":
-                kept_x.append(x_loc)
-            elif di_mode == "offload":
-                kept_x.append(_offload(x_loc))
-            if h_mode == "keep":
-                kept_h.append((h1, h3))
-            elif h_mode == "offload":
-                kept_h.append((_offload(h1), _offload(h3)))
-            return y_loc
-
-        with torch.autocast(x_TD.device.type, enabled=False):
-            disp = _Dispatcher(x_TD, spec, reuse=spec.strategy != "none")
-            y_RD = x_TD.new_empty(spec.num_rows, w2.shape[2])
-            forward_chunks(spec, disp, y_RD, compute)
-        host_bytes = 0
-        for x_off in kept_x if di_mode == "offload" else ():
-            host_bytes += x_off.numel() * x_off.element_size()
-        for pair in kept_h if h_mode == "offload" else ():
-            host_bytes += sum(t.numel() * t.element_size() for t in pair if t is not None)
-        spec.stats["offloaded_bytes"] = host_bytes
-        ctx.spec, ctx.act, ctx.num_tokens = spec, act, x_TD.shape[0]
-        ctx.host_x = kept_x if di_mode == "offload" else None
-        ctx.host_h = kept_h if h_mode == "offload" else None
-        device_x = kept_x if di_mode == "keep" else []
-        device_h = [t for pair in kept_h for t in pair if t is not None] if h_mode == "keep" \
-            else []
-        ctx.num_device_x = len(device_x)
-        ctx.save_for_backward(x_TD if di_mode == "recomm" else None, w1, w2, w3, b1, b2,
-                              *device_x, *device_h)
-        return y_RD
-
-    @staticmethod
-    def backward(ctx, gy_RD):
-        spec, act = ctx.spec, ctx.act
-        x_TD, w1, w2, w3, b1, b2, *rest = ctx.saved_tensors
-        w = FFNWeights(w1, w2, w3, b1, b2)
-        di_mode, h_mode = STRATEGIES[spec.strategy]
-        device_x, device_h = rest[:ctx.num_device_x], rest[ctx.num_device_x:]
-        need_dx, w_needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
-        need_dw = any(w_needs)
-        gy_RD = gy_RD.contiguous()
-        device = gy_RD.device
-        start = _mark(gy_RD)
-        grads = None
-
-        def compute(k, lay, g_loc, x_loc):
-            nonlocal grads
-            if di_mode == "keep":
-                x_loc = device_x[k]
-            elif di_mode == "offload":
-                x_loc = _reload(ctx.host_x[k], device)
-            if h_mode == "keep":
-                h_per = 2 if w3 is not None else 1
-                h1, h3 = device_h[k * h_per], device_h[k * h_per + 1] if h_per == 2 else None
-            elif h_mode == "offload":
-                h1, h3 = (_reload(t, device) for t in ctx.host_h[k])
-            else:
-                h1, h3 = _hidden(x_loc, lay.local_counts, w)
-            dx_loc, gw, _ = ffn_backward(g_loc, x_loc, h1, h3, lay.local_counts, w, act,
-                                         need_dx=need_dx, need_dw=need_dw)
-            if need_dw:
-                parts = (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
-                grads = list(parts) if grads is None else \
-                    [None if a is None else a.add_(b) for a, b in zip(grads, parts)]
-            return dx_loc
-
-        with torch.autocast(device.type, enabled=False):
-            dx_TD = backward_chunks(spec, gy_RD, x_TD if di_mode == "recomm" else None,
-                                    compute, need_dx, ctx.num_tokens)
-        spec.stats["backward_marks"] = (start, _mark(gy_RD))
-        out_w = [None] * 5
-        if need_dw:
-            out_w = [None if g is None or not need else g.mul_(spec.grad_scale)
-                     for g, need in zip(grads, w_needs)]
-        return (dx_TD, None, None, *out_w)
-
-
-def run_grouped_pipeline(x_TD: torch.Tensor, spec: PipelineSpec,
-                         local: GroupedExperts) -> torch.Tensor:
-    """`PipelinedAllToAll` over the local grouped experts: y_RD in the plan's row order."""
-    w = local.weights(x_TD.dtype)
-    return PipelinedAllToAll.apply(x_TD.contiguous(), spec, local.act, w.w1_EDF, w.w2_EFD,
-                                   w.w3_EDF, w.b1_EF, w.b2_ED)
-
-
-def _add_rows(dx_TD, token_idx, rows_RD, num_tokens):
-    if dx_TD is None:
-        dx_TD = rows_RD.new_zeros(num_tokens, rows_RD.shape[1])
-    return dx_TD.index_add_(0, token_idx, rows_RD)
+__all__ = ["ChunkLayout", "PipelineSpec", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher",
+           "chunk_layouts", "run_grouped_pipeline"]
 
 
 class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
@@ -371,14 +51,21 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
 
     Grouped experts run the grouped FFN kernels per chunk (all strategies); other expert modules
     go through `PipelinedModuleAllToAll` (strategies none, S2, S4). The counts exchange also
-    carries each rank's row count and its last measured forward+backward time, so the tuner
-    sees the same numbers on every rank.
+    carries each rank's row and token counts and its last measured forward+backward time, so
+    the tuner and the cost model see the same numbers on every rank.
+
+    strategy="auto": the cost model's pick per call (`choose_strategy`): the fastest predicted
+    strategy whose per-rank peak is at most the unpipelined dispatcher's and at most
+    `memory_limit_bytes` (the layer step's peak, weight gradients included), or the
+    unpipelined dispatcher itself when no strategy is. `peaks` ({chunks: {strategy or
+    "unpipelined": bytes}}, e.g. from `moescale bench ep-memory`) replaces the formulas.
     """
 
     def __init__(self, groups: ParallelGroups, num_experts: int, *,
                  num_chunks: int | str = 2, strategy: str = "none",
                  tuner: TunerConfig | None = None, memory_limit_bytes: float | None = None,
-                 rates: Rates | None = None) -> None:
+                 rates: Rates | None = None,
+                 peaks: Mapping[int, Mapping[str, float]] | None = None) -> None:
         super().__init__(groups, num_experts)
         if num_chunks != "auto" and (not isinstance(num_chunks, int) or num_chunks < 1):
             raise ValueError(f"num_chunks={num_chunks!r} must be a positive integer or 'auto'")
@@ -387,25 +74,38 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
                              f"{', '.join(STRATEGIES)}")
         self.num_chunks, self.strategy = num_chunks, strategy
         self.memory_limit_bytes, self.rates = memory_limit_bytes, rates
+        self.peaks = peaks               # {chunks: {strategy or "unpipelined": bytes}}
         self.tuner = ChunkTuner(tuner or TunerConfig()) if num_chunks == "auto" else None
         self.last_stats: dict = {}
         # (bucket, chunks) of the last calls (bounded: a long run makes millions of calls)
         self.history: deque[tuple[int, int]] = deque(maxlen=4096)
 
-    def strategy_for(self, max_rows: int, chunks: int, local: GroupedExperts,
-                     x_TD: torch.Tensor) -> str:
-        """The reuse strategy of this call: fixed, or the cost model's pick (identical on every
-        rank: measured rates are maxed over the group and max_rows is the group's maximum)."""
+    def layer_shape(self, max_tokens: int, max_rows: int, local: GroupedExperts,
+                    x_TD: torch.Tensor) -> LayerShape:
+        """The call as the cost model sees it, identical on every rank: the group's largest
+        token and row counts (a rank receives about what it sends under balanced routing)."""
+        workers = num_expert_workers(x_TD.device, [1] * local.num_experts)
+        return LayerShape(rows=max_rows, rows_sent=max_rows, tokens=max_tokens,
+                          d_model=local.d_model, d_ff=local.d_ff, glu=local.glu,
+                          bias=local.b1_EF is not None, elem_bytes=x_TD.element_size(),
+                          work_bytes=torch.empty((), dtype=work_dtype(x_TD)).element_size(),
+                          ep_size=self.groups.ep_size, num_local_experts=self.num_local,
+                          host_is_device=x_TD.device.type == "cpu", workers=max(1, workers))
+
+    def strategy_for(self, max_tokens: int, max_rows: int, chunks: int, local: GroupedExperts,
+                     x_TD: torch.Tensor) -> tuple[str, list[dict] | None]:
+        """The reuse strategy of this call and the cost model's table (None when fixed): the
+        strategy given, or the cost model's pick, "unpipelined" included (identical on every
+        rank: measured rates are maxed over the group, the shape is the group's largest)."""
         if self.strategy != "auto":
-            return self.strategy
+            return self.strategy, None
         if self.rates is None:
             self.rates = measure_rates(self.groups, d_model=local.d_model, d_ff=local.d_ff,
                                        rows=max(64, max_rows), device=x_TD.device,
                                        dtype=x_TD.dtype)
-        shape = LayerShape(rows=max_rows, d_model=local.d_model, d_ff=local.d_ff,
-                           glu=local.glu, elem_bytes=x_TD.element_size(),
-                           ep_size=self.groups.ep_size)
-        return choose_strategy(shape, self.rates, chunks, self.memory_limit_bytes)[0]
+        shape = self.layer_shape(max_tokens, max_rows, local, x_TD)
+        peaks = None if self.peaks is None else self.peaks.get(chunks)
+        return choose_strategy(shape, self.rates, chunks, self.memory_limit_bytes, peaks=peaks)
 
     def spec(self, plan: RoutingPlan, send_WL, recv_WL, chunks: int,
              strategy: str) -> PipelineSpec:
@@ -415,7 +115,8 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
                             num_rows=plan.num_rows, grad_scale=1.0 / self.groups.ep_size)
 
     def _exchange(self, plan: RoutingPlan, device):
-        """Counts exchange carrying [counts of the peer's experts..., my rows, my last time]."""
+        """Counts exchange carrying [counts of the peer's experts..., my rows, my last time, my
+        tokens]; returns (send_WL, recv_WL, the group's largest row and token counts)."""
         if len(plan.counts) != self.num_experts:
             raise ValueError(f"the routing plan has {len(plan.counts)} experts but the "
                              f"dispatcher was built for num_experts={self.num_experts}")
@@ -423,20 +124,20 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         prev = self.last_stats
         elapsed_us = -1
         if "backward_marks" in prev and "forward_marks" in prev:
-            fwd = _elapsed(*prev["forward_marks"])
-            bwd = _elapsed(*prev["backward_marks"])
+            fwd = elapsed(*prev["forward_marks"])
+            bwd = elapsed(*prev["backward_marks"])
             if fwd is not None and bwd is not None:
                 prev["forward_s"], prev["backward_s"] = fwd, bwd
                 elapsed_us = int(1e6 * (fwd + bwd))
-        send = [list(plan.counts[p * L:(p + 1) * L]) + [plan.num_rows, elapsed_us]
-                for p in range(W)]
+        send = [list(plan.counts[p * L:(p + 1) * L]) +
+                [plan.num_rows, elapsed_us, plan.num_tokens] for p in range(W)]
         recv = exchange_counts(torch.tensor(send, dtype=torch.int64, device=device),
                                self.groups.ep_group).tolist()
         times = [row[L + 1] for row in recv]
         if self.tuner is not None and prev and min(times) >= 0:
             self.tuner.record(prev["bucket"], prev["chunks"], max(times) / 1e6)
-        max_rows = max(row[L] for row in recv)
-        return [row[:L] for row in send], [row[:L] for row in recv], max_rows
+        max_rows, max_tokens = max(row[L] for row in recv), max(row[L + 2] for row in recv)
+        return [row[:L] for row in send], [row[:L] for row in recv], max_rows, max_tokens
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
         local = getattr(experts, "local", None)
@@ -450,42 +151,37 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         if not grouped and self.strategy == "auto":
             raise ValueError("strategy='auto' needs grouped experts (the cost model reads their "
                              "FFN shape); give module experts strategy none, S2 or S4")
-        start = _mark(x_TD)
-        send_WL, recv_WL, max_rows = self._exchange(plan, x_TD.device)
+        start = mark(x_TD)
+        send_WL, recv_WL, max_rows, max_tokens = self._exchange(plan, x_TD.device)
         bucket = bucket_of(max_rows)
         chunks = self.tuner.choose(bucket) if self.tuner is not None else self.num_chunks
         self.history.append((bucket, chunks))
         x_TD = x_TD.to(compute_dtype(x_TD))
-        strategy = self.strategy_for(max_rows, chunks, local, x_TD)
+        strategy, table = self.strategy_for(max_tokens, max_rows, chunks, local, x_TD)
+        if strategy == "unpipelined":
+            self.last_stats = dict(bucket=bucket, chunks=chunks, strategy=strategy,
+                                   strategy_table=table)
+            return self._unpipelined(x_TD, plan, experts, self.last_stats, start)
         spec = self.spec(plan, send_WL, recv_WL, chunks, strategy)
-        spec.stats.update(bucket=bucket, chunks=chunks, strategy=strategy)
+        spec.stats.update(bucket=bucket, chunks=chunks, strategy=strategy, strategy_table=table)
         self.last_stats = spec.stats
         if grouped:
-            y_RD = run_grouped_pipeline(x_TD, spec, local)
+            y_TD = run_grouped_pipeline(x_TD, plan.scores_R, spec, local)
         else:
             from moescale.parallel.pipeline_modules import PipelinedModuleAllToAll
-            y_RD = PipelinedModuleAllToAll.apply(x_TD.contiguous(), spec, local,
+            y_TD = PipelinedModuleAllToAll.apply(x_TD.contiguous(), plan.scores_R, spec, local,
                                                  *local.parameters())
-        spec.stats["forward_marks"] = (start, _mark(x_TD))
-        return combine_rows(y_RD, plan)
+        spec.stats["forward_marks"] = (start, mark(x_TD))
+        return y_TD
 
-
-def _mark(t: torch.Tensor):
-    """A point in time without a host sync: perf_counter on CPU, a recorded event on CUDA."""
-    if t.is_cuda:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def _elapsed(start, stop) -> float | None:
-    """Seconds between two marks; None while a CUDA event has not completed (never waits).
-
-    The tuner reads the previous call's marks during the next call, after the routing plan's
-    host sync, so on CUDA they have completed by then."""
-    if isinstance(start, float):
-        return stop - start
-    if not stop.query():
-        return None
-    return start.elapsed_time(stop) / 1e3
+    def _unpipelined(self, x_TD: torch.Tensor, plan: RoutingPlan, experts, stats: dict,
+                     start) -> torch.Tensor:
+        """The plain dispatcher (the cost model found it leanest or fastest); hooks mark this
+        layer's backward so that the tuner still gets the call's time."""
+        y_TD = ExpertParallelDispatcher.__call__(self, x_TD, plan, experts)
+        stats["forward_marks"] = (start, mark(x_TD))
+        if y_TD.requires_grad and x_TD.requires_grad:
+            y_TD.register_hook(lambda g: stats.__setitem__("backward_start", mark(g)))
+            x_TD.register_hook(lambda g: stats.__setitem__(
+                "backward_marks", (stats["backward_start"], mark(g))))
+        return y_TD

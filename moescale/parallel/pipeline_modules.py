@@ -1,8 +1,8 @@
 """The pipelined exchange for any expert modules (FastMoE's "any module is an expert").
 
-`PipelinedModuleAllToAll` has the same chunking, overlap and process groups as
-`PipelinedAllToAll` (moescale.parallel.pipeline: both drive their chunks with its
-`forward_chunks` / `backward_chunks`) but runs `experts.forward_rows` (any
+`PipelinedModuleAllToAll` has the same chunking, overlap, process groups and fused combine as
+`PipelinedAllToAll` (both drive their chunks with pipeline_schedule's `forward_chunks` /
+`backward_chunks`) but runs `experts.forward_rows` (any
 `ModuleExperts`) instead of the grouped FFN kernels. The hidden activations of arbitrary modules
 are not visible, so backward works like activation checkpointing per chunk:
 
@@ -12,7 +12,8 @@ are not visible, so backward works like activation checkpointing per chunk:
 
 (S1/S3 offload the hidden activation, which only grouped experts expose.) A re-run sees the
 forward's autocast state; modules with randomness (dropout) draw new numbers in the re-run,
-as with non-preserving checkpointing. Expert parameter gradients are scaled by 1/W like
+as with non-preserving checkpointing. The score gradient of a row is <output grad, expert
+output> (the kept or re-run output). Expert parameter gradients are scaled by 1/W like
 everywhere else in expert parallelism; input gradients are not.
 
 Legend: T tokens, R rows sent, D model width, W ranks of the EP group.
@@ -25,8 +26,9 @@ import contextlib
 import torch
 
 from moescale.parallel.cost_model import STRATEGIES
-from moescale.parallel.pipeline import (PipelineSpec, _Dispatcher, _offload, _reload,
-                                        backward_chunks, forward_chunks)
+from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec
+from moescale.parallel.pipeline_schedule import (backward_chunks, forward_chunks, make_ring,
+                                                 to_device, to_host)
 
 MODULE_STRATEGIES = ("none", "S2", "S4")
 
@@ -45,11 +47,20 @@ def _run(experts, x_loc, counts, state, need_dx):
         return x_leaf, experts.forward_rows(x_leaf, counts)
 
 
+def _expert_order(t: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
+    return t if lay.perm is None else t.index_select(0, lay.perm)
+
+
+def _source_order(t: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
+    return t if lay.inv_perm is None else t.index_select(0, lay.inv_perm)
+
+
 class PipelinedModuleAllToAll(torch.autograd.Function):
-    """y_RD (plan row order) = experts(x_TD[token of each row]) on the owners, any modules."""
+    """y_TD = sum over the plan's rows r of token t: scores_R[r] * expert_r(x_TD[t]) on the
+    owners, any expert modules."""
 
     @staticmethod
-    def forward(ctx, x_TD, spec: PipelineSpec, experts, *params):
+    def forward(ctx, x_TD, scores_R, spec: PipelineSpec, experts, *params):
         if spec.strategy not in MODULE_STRATEGIES:
             raise ValueError(f"strategy={spec.strategy!r} offloads the hidden activation, which "
                              "only grouped experts expose; use one of "
@@ -58,61 +69,75 @@ class PipelinedModuleAllToAll(torch.autograd.Function):
         dev = x_TD.device.type
         state = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         need_dx = ctx.needs_input_grad[0]
+        keep = any(ctx.needs_input_grad)
         kept = []
 
-        def compute(k, lay, x_loc):
-            if di_mode == "keep":
+        def compute(k, lay, x_recv):
+            x_loc = _expert_order(x_recv, lay)
+            if keep and di_mode == "keep":
                 x_leaf, y_loc = _run(experts, x_loc, lay.local_counts, state, need_dx)
                 kept.append((x_leaf, y_loc))
-                return y_loc.detach()
-            with torch.no_grad(), _autocast(state):
-                y_loc = experts.forward_rows(x_loc, lay.local_counts)
-            if di_mode == "offload":
-                kept.append(_offload(x_loc))
-            return y_loc
+                y_loc = y_loc.detach()
+            else:
+                with torch.no_grad(), _autocast(state):
+                    y_loc = experts.forward_rows(x_loc, lay.local_counts)
+                if keep and di_mode == "offload":
+                    kept.append(to_host(x_loc))
+            return _source_order(y_loc.to(x_recv.dtype), lay)
 
-        disp = _Dispatcher(x_TD, spec, reuse=spec.strategy != "none")
-        y_RD = x_TD.new_empty(spec.num_rows, x_TD.shape[1])
-        forward_chunks(spec, disp, y_RD, compute)
+        ring = None if keep and di_mode != "recomm" else make_ring(spec, x_TD.shape[1], x_TD)
+        y_TD = forward_chunks(spec, x_TD, scores_R, compute, ring)
+        del ring
         ctx.spec, ctx.experts, ctx.state, ctx.kept = spec, experts, state, kept
-        ctx.num_tokens = x_TD.shape[0]
-        ctx.save_for_backward(x_TD if di_mode == "recomm" else None, *params)
-        return y_RD
+        ctx.save_for_backward(x_TD if di_mode == "recomm" else None, scores_R, *params)
+        return y_TD
 
     @staticmethod
-    def backward(ctx, gy_RD):
+    def backward(ctx, gy_TD):
         spec, experts = ctx.spec, ctx.experts
-        x_TD, *params = ctx.saved_tensors
+        x_TD, scores_R, *params = ctx.saved_tensors
         di_mode = STRATEGIES[spec.strategy][0]
-        need_dx, p_needs = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        need_dx, need_ds = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        p_needs = ctx.needs_input_grad[4:]
         wanted = [p for p, need in zip(params, p_needs) if need]
-        gy_RD = gy_RD.contiguous()
+        gy_TD = gy_TD.contiguous()
         grads = [None] * len(wanted)
+        kept = ctx.kept
 
-        def compute(k, lay, g_loc, x_loc):
+        def compute(k, lay, g_recv, s_recv, x_recv):
             nonlocal grads
             if di_mode == "keep":
-                x_leaf, y_loc = ctx.kept[k]
+                (x_leaf, y_loc), kept[k] = kept[k], None
             else:
                 if di_mode == "offload":
-                    x_loc = _reload(ctx.kept[k], gy_RD.device)
+                    x_loc, kept[k] = to_device(kept[k], gy_TD.device), None
+                else:
+                    x_loc = _expert_order(x_recv, lay)
                 x_leaf, y_loc = _run(experts, x_loc, lay.local_counts, ctx.state, need_dx)
+            g_loc = _expert_order(g_recv, lay)
+            s_loc = _expert_order(s_recv, lay)
+            ds_send = None
+            if need_ds:
+                ds_loc = (g_loc.float() * y_loc.detach().float()).sum(1)
+                ds_send = _source_order(ds_loc.to(s_recv.dtype), lay)
             inputs = ([x_leaf] if need_dx else []) + wanted
             if y_loc.requires_grad and inputs:
-                got = torch.autograd.grad(y_loc, inputs, g_loc.to(y_loc.dtype),
-                                          allow_unused=True)
+                g_scaled = (g_loc * s_loc.to(g_loc.dtype).unsqueeze(1)).to(y_loc.dtype)
+                got = torch.autograd.grad(y_loc, inputs, g_scaled, allow_unused=True)
             else:                      # no rows here: nothing reached the experts
                 got = [None] * len(inputs)
-            dx_loc = None
+            dx_send = None
             if need_dx:
                 dx_loc = got[0] if got[0] is not None else torch.zeros_like(x_leaf)
+                dx_send = _source_order(dx_loc.to(g_recv.dtype), lay)
                 got = got[1:]
             grads = [g if acc is None else (acc if g is None else acc.add_(g))
                      for acc, g in zip(grads, got)]
-            return dx_loc
+            return dx_send, ds_send
 
-        dx_TD = backward_chunks(spec, gy_RD, x_TD if di_mode == "recomm" else None, compute,
-                                need_dx, ctx.num_tokens)
+        dx_TD, dscores_R = backward_chunks(spec, gy_TD, scores_R,
+                                           x_TD if di_mode == "recomm" else None, compute,
+                                           need_dx, need_ds)
         ctx.kept = None
         it = iter(grads)
         out = []
@@ -122,4 +147,4 @@ class PipelinedModuleAllToAll(torch.autograd.Function):
                 continue
             g = next(it)
             out.append(torch.zeros_like(p) if g is None else g.mul_(spec.grad_scale))
-        return (dx_TD, None, None, *out)
+        return (dx_TD, dscores_R, None, None, *out)

@@ -240,7 +240,7 @@ def _check_schedule(rank, groups, chunks=4):
     with torch.no_grad():
         route = moe.router(x)
         plan = build_plan(route.scores_TK, route.expert_ids_TK, 2 * world)
-    send, recv, _ = moe.dispatcher._exchange(plan, x.device)
+    send, recv, _, _ = moe.dispatcher._exchange(plan, x.device)
     spec = moe.dispatcher.spec(plan, send, recv, chunks, "S4")
     spec.trace = []
     layouts = spec.layouts
@@ -249,7 +249,7 @@ def _check_schedule(rank, groups, chunks=4):
     assert sorted(torch.cat([lay.row_idx for lay in layouts]).tolist()) == \
         list(range(plan.num_rows))
     xin = x.clone().requires_grad_(True)
-    run_grouped_pipeline(xin, spec, moe.experts.local).sum().backward()
+    run_grouped_pipeline(xin, plan.scores_R, spec, moe.experts.local).sum().backward()
     at = {event: i for i, event in enumerate(spec.trace)}
     for event in ("pipelined dispatch", "pipelined combine", "output grads",
                   "pipelined backward (re-dispatch)", "input grads"):
@@ -270,7 +270,7 @@ def check_tuner(rank: int, world: int, steps: int):
     case = dict(E=2 * world, top_k=2)
     full = _full_moe(case)
     tuned = shard_moe(full, groups, PipelinedExpertParallelDispatcher(
-        groups, case["E"], num_chunks="auto", strategy="auto", memory_limit_bytes=600,
+        groups, case["E"], num_chunks="auto", strategy="auto",
         tuner=TunerConfig(candidates=(1, 2, 4), trials=1, warmup=0)))
     static = shard_moe(full, groups)
     gen = torch.Generator().manual_seed(rank)
@@ -280,7 +280,10 @@ def check_tuner(rank: int, world: int, steps: int):
         y = tuned(x.requires_grad_(True))
         y.sum().backward()
         _close("tuned output", y.detach(), static(x).detach(), dict(name=f"step {step}"))
-        strategies.append(tuned.dispatcher.last_stats["strategy"])
+        stats = tuned.dispatcher.last_stats
+        chosen = [row for row in stats["strategy_table"] if row["strategy"] == stats["strategy"]]
+        assert chosen[0]["fits"] and chosen[0]["peak_bytes"] <= chosen[0]["unpipelined_bytes"]
+        strategies.append(stats["strategy"])
     rates = tuned.dispatcher.rates
     assert rates is not None and rates.gemm_flops > 0 and rates.a2a_bytes_per_s > 0
     return tuned.dispatcher.history, tuned.dispatcher.tuner.samples, strategies

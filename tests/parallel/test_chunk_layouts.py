@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from moescale.parallel.pipeline import chunk_layouts
+from moescale.parallel.pipeline_layout import chunk_layouts
 
 
 def _counts(W: int, L: int, seed: int) -> list[list[list[int]]]:
