@@ -22,7 +22,8 @@ Time (one forward + backward of the layer's exchange and experts):
            recomputed GEMM 1 (2*S*D*F*G) for S2/S4
   T_comm = per exchange C*latency + (S*D*b*(W-1)/W) / bandwidth; 4 exchanges (dispatch,
            combine, their two backward), 5 with re-communication (S3/S4)
-  T_copy = 2 * offloaded bytes / copy bandwidth (out in forward, back in backward)
+  T_copy = 2 * offloaded bytes / copy bandwidth (out in forward, back in backward); 0 on a
+           CPU, where an offloaded tensor stays where it is
   T      = max(T_comp, T_comm) + min(T_comp, T_comm) / C + T_copy
 
 The overlap term says a C-chunk pipeline hides all but one chunk of the shorter stage.
@@ -110,7 +111,8 @@ def predict_seconds(shape: LayerShape, rates: Rates, strategy: str, chunks: int)
     exchange = chunks * rates.a2a_latency_s + \
         shape.rows * shape.d_model * shape.elem_bytes * frac / rates.a2a_bytes_per_s
     comm = exchange * (5 if di_mode == "recomm" else 4)
-    copy = 2 * memory_bytes(shape, strategy, chunks).host / rates.copy_bytes_per_s
+    copy = 0.0 if shape.host_is_device else \
+        2 * memory_bytes(shape, strategy, chunks).host / rates.copy_bytes_per_s
     total = max(comp, comm) + min(comp, comm) / chunks + copy
     return TimeEstimate(comp, comm, copy, total)
 

@@ -10,7 +10,7 @@ from moescale.parallel.memory_model import (STRATEGY_NAMES, pipelined_peak_bytes
                                             pipeline_block_rows, unpipelined_peak_bytes)
 
 SHAPE = LayerShape(rows=1000, d_model=64, d_ff=256, glu=True, elem_bytes=4, ep_size=4,
-                   num_local_experts=2)
+                   num_local_experts=2, host_is_device=False)
 RATES = Rates(gemm_flops=1e11, a2a_latency_s=1e-4, a2a_bytes_per_s=1e9, copy_bytes_per_s=5e9)
 # the issue's setting: 2 ranks, 4096 tokens of top-2 each, d 1024, d_ff 4096, 4 experts per rank
 ISSUE = dict(rows=8192, rows_sent=8192, tokens=4096, d_model=1024, d_ff=4096, ep_size=2,
@@ -53,6 +53,9 @@ def test_block_sizes_follow_the_kernels():
 def test_prediction_and_choice():
     t1, t4 = (predict_seconds(SHAPE, RATES, "none", c).total_s for c in (1, 4))
     assert t4 < t1                                      # overlap pays when latency is small
+    assert predict_seconds(SHAPE, RATES, "S1", 4).copy_s > 0
+    on_cpu = LayerShape(**{**SHAPE.__dict__, "host_is_device": True})
+    assert predict_seconds(on_cpu, RATES, "S1", 4).copy_s == 0   # nothing moves on a CPU
     base = unpipelined_peak_bytes(SHAPE)
     slow_copy = Rates(1e11, 1e-4, 1e9, 1e6)
     s4 = pipelined_peak_bytes(SHAPE, "S4", 4)
