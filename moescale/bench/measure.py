@@ -3,6 +3,8 @@
 - `time_interleaved` runs several implementations round-robin (one step of each per
   repetition), so that load from other processes on a shared machine hits them alike, and
   returns every implementation's per-repetition times; medians are taken by the caller.
+  `rotate=True` starts repetition i at item i (mod n), so that no implementation always runs
+  first or always after the same neighbour.
 - `SavedBytes` counts the bytes autograd keeps for backward, through
   `torch.autograd.graph.saved_tensors_hooks`: each storage once, parameters excluded.
 - `hardware_tag` names the machine for result file names (`cpu-2c-avx2`, `cuda-nvidia-h200`).
@@ -66,8 +68,10 @@ class Timed:
 
 
 def time_interleaved(items: Sequence[Timed], device: torch.device,
-                     progress: Callable[[str], None] | None = None) -> None:
-    """Round-robin timing: repetition i runs every item that still wants a run, in order.
+                     progress: Callable[[str], None] | None = None,
+                     rotate: bool = False) -> None:
+    """Round-robin timing: repetition i runs every item that still wants a run, in order
+    (rotated by i places when `rotate`).
 
     An item whose warm-up took longer than its `slow_s` seconds is timed once more only (its
     `runs` becomes 1); callers report that. The first warm-up of an item with `exclude` set
@@ -77,7 +81,8 @@ def time_interleaved(items: Sequence[Timed], device: torch.device,
         raise ValueError("warmup must be >= 1 (the first run also measures saved activations)")
     total = max(it.warmup + it.runs for it in items) if items else 0
     for rep in range(total):
-        for it in items:
+        shift = rep % len(items) if rotate else 0
+        for it in [*items[shift:], *items[:shift]]:
             if rep >= it.warmup + it.runs:
                 continue
             it.reset()

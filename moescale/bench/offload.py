@@ -1,35 +1,43 @@
-"""`moescale bench offload`: the step-time cost of offloading experts (host tier) vs resident.
+"""`moescale bench offload`: the step-time cost of offloading experts (host tier) vs resident,
+stated with its noise.
 
 A stack of residual MoE layers (no attention: the experts dominate, the worst case for
 offloading) is trained with AdamW, one full step (forward, backward, optimizer) per timed
-repetition, for each implementation, interleaved (see measure.py):
+repetition, for each implementation, interleaved and rotated (see measure.py), >= 15
+repetitions after one warm-up:
 
 - `resident`: every expert a parameter, torch.optim.AdamW(fused=True) over all of them (the
   same fused kernel the host optimizer uses, so the comparison is of placement, not kernels);
+- `resident-copy`: an identical second resident model, the null control: its ratio to
+  `resident` must be 1.0 within the interval, or the run is biased and its ratios are not
+  trusted;
 - `host-b{N}-{mode}`: `offload_moe(tier="host", device_budget_experts=N, step_mode=mode)`,
   the dense part on torch.optim.AdamW following the same hyper-parameters.
 
-It prints median step times, the ratio to resident and the device peak against its budget,
-and writes benchmarks/results/offload_<hardware>.json. Target (issue 3): host tier with a
-2-expert device budget <= 1.10x the resident step time (median, same run). On a CPU the
-"device" is simulated: uploads are memory copies on the copy thread, so this measures the
+For each implementation: the median step time, and the ratio to resident as the geometric mean
+of the per-repetition paired ratios with a 95% confidence interval (stats.paired_ratio: the
+t-interval of the log-ratios), the device peak against its budget. Target (issue 3): host tier
+with a 2-expert device budget <= 1.10x resident: passed when the whole interval lies at or
+below 1.10. Writes benchmarks/results/offload_<hardware>.json with the CPU flags. On a CPU
+the "device" is simulated: uploads are memory copies on the copy thread, so this measures the
 machinery's overhead (copies, threads, per-expert walks), not PCIe. `--device cuda` runs the
 same on a GPU (CudaDevice, pinned host store), `--dtype bfloat16` under autocast.
 
-Deliberately not here: the disk tier beyond RAM (a separate benchmark; not done yet).
+Deliberately not here: the disk tier (bench offload-disk).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
+from moescale.bench.stats import paired_ratio
 from moescale.layers.moe import MoE, collect_aux_loss
 from moescale.offload import OffloadConfig, offload_moe
 
@@ -69,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=15, help="timed repetitions (>= 2; 15+ for "
+                   "an interval narrow enough to resolve a 10%% overhead)")
     p.add_argument("--budgets", type=str, default="2,3", help="device budgets, in experts")
     p.add_argument("--modes", type=str, default="eager,deferred")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -81,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.runs < 2:
+        raise ValueError(f"--runs={args.runs} must be >= 2 (the interval needs pairs)")
     torch.manual_seed(0)
     device = torch.device(args.device)
     base = MoEStack(args.layers, args.d_model, args.d_ff, args.experts, args.top_k).to(device)
@@ -94,9 +105,10 @@ def main(argv=None) -> int:
 
         items.append(Timed(name=name, step=step, reset=lambda: None, runs=args.runs, warmup=1))
 
-    resident = copy.deepcopy(base)
-    make("resident", resident,
-         torch.optim.AdamW(resident.parameters(), lr=1e-4, fused=True), None)
+    for name in ("resident", "resident-copy"):
+        resident = copy.deepcopy(base)
+        make(name, resident, torch.optim.AdamW(resident.parameters(), lr=1e-4, fused=True),
+             None)
     for budget in [float(b) for b in args.budgets.split(",")]:
         for mode in args.modes.split(","):
             model = copy.deepcopy(base)
@@ -109,36 +121,48 @@ def main(argv=None) -> int:
             name = f"host-b{budget:g}-{mode}"
             engines[name] = engine
             make(name, model, opt, engine)
-    time_interleaved(items, device,
-                     progress=lambda line: print(line, flush=True))
-    ref = items[0].median_s
+    time_interleaved(items, device, progress=lambda line: print(line, flush=True), rotate=True)
+    ref = items[0]
     rows = []
-    print(f"\n{'implementation':<22} {'median ms':>10} {'x resident':>11} {'device peak/budget':>20}")
+    print(f"\n{'implementation':<20} {'median ms':>10} {'x resident [95% CI]':>28} "
+          f"{'device peak/budget':>20}")
     for it in items:
         eng = engines.get(it.name)
         peak = f"{eng.device.peak_bytes >> 20} / {eng.device.budget_bytes >> 20} MiB" \
             if eng else "-"
-        print(f"{it.name:<22} {it.median_s * 1e3:10.1f} {it.median_s / ref:11.3f} {peak:>20}")
+        interval = paired_ratio(it.times_s, ref.times_s) if it is not ref else None
+        shown = "1 (reference)" if interval is None else \
+            f"{interval.ratio:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+        print(f"{it.name:<20} {it.median_s * 1e3:10.1f} {shown:>28} {peak:>20}")
         rows.append(dict(name=it.name, median_s=it.median_s, times_s=it.times_s,
-                         ratio=it.median_s / ref,
+                         warmup_s=it.warmup_s,
+                         ratio=None if interval is None else interval.as_dict(),
                          device_peak_bytes=eng.device.peak_bytes if eng else None,
                          device_budget_bytes=eng.device.budget_bytes if eng else None,
                          uploads=eng.cache.num_uploads if eng else None))
     targets = []
     for r in rows:
-        if r["name"].startswith("host-b2-"):
-            ok = r["ratio"] <= 1.10
-            targets.append(dict(name=f"{r['name']} <= 1.10x resident", value=r["ratio"],
-                                passed=ok))
-            print(f"{'PASS' if ok else 'FAIL'}: {r['name']} = {r['ratio']:.3f}x resident "
-                  "(target <= 1.10x)")
+        ci = r["ratio"]
+        if r["name"] == "resident-copy":
+            ok = ci["low"] <= 1.0 <= ci["high"]
+            targets.append(dict(name="null control: resident-copy interval contains 1.0",
+                                value=ci, passed=ok))
+            print(f"{'PASS' if ok else 'FAIL'}: null control resident-copy = {ci['ratio']:.3f}x "
+                  f"[{ci['low']:.3f}, {ci['high']:.3f}] (must contain 1.0)")
+        elif r["name"].startswith("host-b2-"):
+            ok = ci["high"] <= 1.10
+            targets.append(dict(name=f"{r['name']} <= 1.10x resident (upper 95% bound)",
+                                value=ci, passed=ok))
+            print(f"{'PASS' if ok else 'FAIL'}: {r['name']} = {ci['ratio']:.3f}x "
+                  f"[{ci['low']:.3f}, {ci['high']:.3f}] (target: upper bound <= 1.10x)")
     for eng in engines.values():
         eng.close()
     tag = hardware_tag(device)
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"offload_{tag}.json"
-    write_json(out, dict(benchmark="offload", hardware=tag, config=vars(args),
-                         torch_threads=torch.get_num_threads(), results=rows, targets=targets,
-                         resident_median_s=ref,
-                         spread=dict(resident_stdev_s=statistics.pstdev(items[0].times_s))))
+    write_json(out, dict(benchmark="offload", hardware=tag, cpu_flags=cpu_flags(),
+                         config=vars(args), torch_threads=torch.get_num_threads(),
+                         interval="95% t-interval of the paired per-repetition log-ratios "
+                                  "to resident (geometric mean)",
+                         results=rows, targets=targets, resident_median_s=ref.median_s))
     print(f"wrote {out}")
     return 0
