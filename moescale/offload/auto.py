@@ -4,7 +4,8 @@
 hidden width, expert count, top-k, GLU, dense parameter count, compute dtype, the config's
 `tokens_per_micro_batch`), takes the budgets from the config (device: required; host: the
 config's `host_budget_bytes` or the memory available now; disk: the free space of
-`directory`, 0 without one), the rates measured on this machine (`rates="measure"`) or
+`directory`, 0 without one), the rates measured on this machine at the model's sizes
+(`rates="measure"`: medians of warm timings; the disk probed under `directory` only) or
 ES-MoE's A100 node (`rates="a100"`), and maps the planner's pick onto a concrete config:
 
     device -> host tier with every expert pinned on the device (pin_fraction=1.0)
@@ -25,7 +26,8 @@ from torch import nn
 
 from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE
-from moescale.offload.planner import A100_NODE, Budgets, ModelSpec, measure_rates, plan
+from moescale.offload.planner import A100_NODE, Budgets, ModelSpec, plan
+from moescale.offload.rates import measure_rates
 
 
 def model_spec(model: nn.Module, tokens: int, dtype: str) -> ModelSpec:
@@ -51,7 +53,8 @@ def resolve_auto(model: nn.Module, config):
     disk = shutil.disk_usage(config.directory).free if config.directory else 0
     budgets = Budgets(device_bytes=config.device_budget_bytes, host_bytes=host,
                       disk_bytes=disk, host_cache_bytes=config.host_cache_bytes)
-    rates = measure_rates(config.directory) if config.rates == "measure" else A100_NODE
+    rates = measure_rates(config.directory, disk=config.directory is not None,
+                          **spec.probe_sizes()) if config.rates == "measure" else A100_NODE
     estimates, pick = plan(spec, budgets, rates, step_mode=config.step_mode,
                            pin_fraction=0.25, lookahead=config.lookahead)
     if pick is None:

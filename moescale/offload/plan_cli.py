@@ -4,7 +4,9 @@
         --device-gb 40 --host-gb 512 --disk-gb 4096 [--rates a100|measure] [--max-experts]
 
 `--rates a100` (default) uses ES-MoE's machine (A100-40GB, PCIe 4, NVMe); `--rates measure`
-measures this machine first (GEMM, memory copy, host AdamW, disk). `--max-experts` also
+measures this machine first at this model's sizes (expert GEMMs, expert copy, host AdamW: each
+the median of warm timings; the disk through the store's direct-I/O path on a 1 GiB file under
+`--disk-dir`: about half a minute). `--max-experts` also
 prints the largest expert count each mode holds within the budgets.
 
 Deliberately not here: running anything but the measurement probes.
@@ -15,7 +17,8 @@ from __future__ import annotations
 import argparse
 
 from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, fmt_bytes,
-                                      fmt_seconds, largest_experts, measure_rates, plan)
+                                      fmt_seconds, largest_experts, plan)
+from moescale.offload.rates import measure_rates
 
 GB = 1 << 30
 
@@ -51,7 +54,8 @@ def main(argv=None) -> int:
                       disk_bytes=int(args.disk_gb * GB),
                       host_cache_bytes=None if args.host_cache_gb is None
                       else int(args.host_cache_gb * GB))
-    rates = measure_rates(args.disk_dir) if args.rates == "measure" else A100_NODE
+    rates = measure_rates(args.disk_dir, **spec.probe_sizes()) if args.rates == "measure" \
+        else A100_NODE
     ests, pick = plan(spec, budgets, rates, step_mode=args.step_mode)
     print(f"model: {spec.moe_layers} MoE layers, d_model {spec.d_model}, d_ff {spec.d_ff}, "
           f"{spec.num_experts} experts, top-{spec.top_k}, {spec.tokens} tokens, {spec.dtype}")

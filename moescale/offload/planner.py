@@ -14,17 +14,34 @@ micro-batch, the activation policy `keep`).
 
 Step time (micro_batches x (forward + backward), then the optimizer), summed over layers:
   compute  = 3 * 2 * tokens * top_k * (2 or 3 GEMMs) * d_model * d_ff / flops_per_s
+             (pin / host / disk: / stream_flops_per_s, the streamed walk's rate, when known)
   upload   = experts_used * 2 (forward + backward) * P * itemsize / h2d_bytes_per_s
   download = experts_used * P * itemsize / d2h_bytes_per_s   (gradients)
   adam     = E * P / adam_params_per_s                       (host AdamW over all experts)
-  disk     = E * 16 P / disk_read + E * 16 P / disk_write     (each record in and out once)
-(compute, transfers and disk once per micro-batch, adam once per step), and the step is
-max(compute, transfers, adam in eager mode, disk) (the pipeline overlaps them)
-plus adam in deferred mode, plus the dense compute. `experts_used` is min(E, tokens * top_k)
-(an expert with no tokens is never uploaded). The device mode pays compute + device AdamW.
+  disk     = read_bytes / disk_read + write_bytes / disk_write   (`disk_traffic`: one device
+             serves both)
+(compute and transfers once per micro-batch, adam once per step). With overlap (a GPU) the
+step is max(compute, transfers, adam in eager mode) (the pipeline overlaps them) plus adam in
+deferred mode; on a CPU "device" (`Rates.overlap` False) copies and AdamW share the cores, so
+it is their sum. The disk tier's I/O runs on its own threads beside all of that: its step is
+max(that step, disk) (deferred with overlap: max(compute, transfers, reads) + max(adam,
+writes)). Dense compute is added to compute. `experts_used` is min(E, tokens * top_k) (an
+expert with no tokens is never uploaded). The device mode pays compute + device AdamW.
 
-`Rates` are measured (`measure_rates()` on this machine) or given. `largest_experts()` finds,
-for each mode, the largest expert count whose memory fits the budgets.
+Disk traffic per step (`disk_traffic`, the store of disk_tier.py; rows are fp32 [P] padded to
+align_up(4 P) bytes for direct I/O; every expert steps every iteration): the forward reads the
+master row of every used expert; the last backward reads master + two moments of every expert
+and writes them back (the gradient row is zero between steps and never moves); each extra
+micro-batch of accumulation adds a forward and a backward master read and the gradient row
+written then read back, for each used expert. A host cache of C record slots (`host_cache_bytes
+// 4 rows`) out of N = L E records saves nothing up to C = N/4, then 4 rows per slot up to
+N/2 (N rows saved), then 6 rows per slot up to C = N (all reads saved): the store's schedule
+(forward sweep, backward in reverse, Belady eviction), fitted to its measured bytes and checked
+against a real store by tests/offload/test_planner.py.
+
+`Rates` are measured (`rates.measure_rates(**spec.probe_sizes())`: medians of warm timings at
+this model's sizes, the disk through the store's own direct-I/O path) or given (`A100_NODE`).
+`largest_experts()` finds, for each mode, the largest expert count whose memory fits.
 
 Deliberately not here: activation recomputation/offload in the estimate (policy `keep`
 assumed), multi-device placement, the all-to-all.
@@ -34,12 +51,10 @@ Legend: E experts per layer, P parameters of one expert.
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 
-import torch
+from moescale.offload.direct_io import align_up
+from moescale.offload.rates import A100_NODE, Rates
 
 MODES = ("device", "pin", "host", "disk")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -80,6 +95,14 @@ class ModelSpec:
     def itemsize(self) -> int:
         return ITEMSIZE[self.dtype]
 
+    def probe_sizes(self) -> dict:
+        """The sizes at which `rates.measure_rates` should time this model: an MoE layer with
+        the rows an expert gets on average, one expert's AdamW and compute-precision copy."""
+        return dict(gemm_rows=max(1, self.tokens * self.top_k // self.num_experts),
+                    d_model=self.d_model, d_ff=self.d_ff, glu=self.glu, top_k=self.top_k,
+                    expert_params=self.expert_params,
+                    copy_bytes=self.expert_params * self.itemsize)
+
 
 @dataclass(kw_only=True)
 class Budgets:
@@ -92,28 +115,6 @@ class Budgets:
         for name in ("device_bytes", "host_bytes", "disk_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
-
-
-@dataclass(kw_only=True)
-class Rates:
-    """Measured (or assumed) speeds; bytes and parameters per second."""
-
-    flops_per_s: float
-    h2d_bytes_per_s: float
-    d2h_bytes_per_s: float
-    adam_params_per_s: float          # host AdamW
-    device_adam_params_per_s: float   # AdamW on the device (device mode)
-    disk_read_bytes_per_s: float
-    disk_write_bytes_per_s: float
-    overlap: bool = True   # False: copies and host AdamW share the compute cores (a CPU
-                           # "device"): the step is the sum of the parts, not their max
-
-
-# ES-MoE's machines: A100-40GB (bf16 ~ 150 TFLOP/s achieved), PCIe 4 x16 (~20 GB/s), a fast
-# NVMe SSD (~3 GB/s read, ~2 GB/s write), host AdamW on many cores (~1.5 G params/s).
-A100_NODE = Rates(flops_per_s=150e12, h2d_bytes_per_s=20e9, d2h_bytes_per_s=20e9,
-                  adam_params_per_s=1.5e9, device_adam_params_per_s=50e9,
-                  disk_read_bytes_per_s=3e9, disk_write_bytes_per_s=2e9)
 
 
 @dataclass
@@ -133,6 +134,33 @@ def _activation_bytes(m: ModelSpec) -> int:
     return m.moe_layers * per_layer * m.itemsize
 
 
+def cache_saved_rows(slots: int, records: int) -> float:
+    """Rows per step that a host cache of `slots` record slots spares the disk tier's reads,
+    out of `records` expert records (the fit described at the top of this file)."""
+    n = records
+    if slots >= n:
+        return float("inf")
+    if slots <= n / 4:
+        return 0.0
+    if slots <= n / 2:
+        return 4.0 * (slots - n / 4)
+    return n + 6.0 * (slots - n / 2)
+
+
+def disk_traffic(m: ModelSpec, cache_bytes: int) -> tuple[int, int]:
+    """(bytes read, bytes written) per optimizer step by the disk tier, steady state."""
+    row = align_up(4 * m.expert_params)
+    records = m.moe_layers * m.num_experts
+    used = m.moe_layers * min(m.num_experts, m.tokens * m.top_k)
+    extra = m.micro_batches - 1
+    # forward masters of every micro-batch; master + moments for the step; per extra
+    # micro-batch a backward master read and the gradient row written, then read back
+    read_rows = m.micro_batches * used + 3 * records + 2 * extra * used
+    write_rows = 3 * records + extra * used
+    saved = cache_saved_rows(cache_bytes // (4 * row), records)
+    return int(max(read_rows - saved, 0) * row), int(write_rows * row)
+
+
 def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = "eager",
              pin_fraction: float = 0.25, lookahead: int = 1) -> ModeEstimate:
     """Memory per tier and predicted step time of one mode."""
@@ -145,6 +173,8 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
     flops = 3 * 2 * m.tokens * m.top_k * (3 if m.glu else 2) * m.d_model * m.d_ff * L
     dense_flops = 6 * m.tokens * m.dense_params
     compute = (flops + dense_flops) / r.flops_per_s
+    if mode != "device" and r.stream_flops_per_s:   # the streamed walk's own compute rate
+        compute = flops / r.stream_flops_per_s + dense_flops / r.flops_per_s
     used = min(E, m.tokens * m.top_k)
     slots = (2 + lookahead) * copy_bytes + copy_bytes   # rotating slots + one gradient
     host_state = L * E * 16 * P
@@ -164,24 +194,27 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
         download = mb * L * used * copy_bytes / r.d2h_bytes_per_s
         adam = L * E * P / r.adam_params_per_s
         parts.update(upload_s=upload, download_s=download, host_adam_s=adam)
-        overlapped = [compute, upload + download]
+        if not r.overlap:
+            step = compute + upload + download + adam
+        elif step_mode == "eager":
+            step = max(compute, upload + download, adam)
+        else:
+            step = max(compute, upload + download) + adam
         if mode == "disk":
+            row = align_up(4 * P)
             cache = b.host_cache_bytes if b.host_cache_bytes is not None else b.host_bytes // 2
-            host, disk = min(cache, host_state), host_state
-            resident_records = min(L * E, cache // (16 * P))
-            moved = mb * (L * E - resident_records) * 16 * P
-            parts["disk_s"] = moved / r.disk_read_bytes_per_s + moved / r.disk_write_bytes_per_s
-            parts["disk_bytes_per_step"] = 2 * moved
-            overlapped.append(parts["disk_s"])
+            disk = L * E * 4 * row                 # files hold all four rows
+            host = min(cache, disk)
+            read, write = disk_traffic(m, cache)
+            read_s, write_s = read / r.disk_read_bytes_per_s, write / r.disk_write_bytes_per_s
+            parts.update(disk_s=read_s + write_s, disk_read_bytes_per_step=read,
+                         disk_write_bytes_per_step=write, disk_bytes_per_step=read + write)
+            if r.overlap and step_mode == "deferred":
+                step = max(compute, upload + download, read_s) + max(adam, write_s)
+            else:
+                step = max(step, read_s + write_s)
         else:
             host, disk = host_state, 0
-        if not r.overlap:
-            step = sum(overlapped) + adam
-        elif step_mode == "eager":
-            overlapped.append(adam)
-            step = max(overlapped)
-        else:
-            step = max(overlapped) + adam
     fits = device <= b.device_bytes and host <= b.host_bytes and disk <= b.disk_bytes
     return ModeEstimate(mode, int(device), int(host), int(disk), fits, step, parts)
 
@@ -212,57 +245,6 @@ def largest_experts(m: ModelSpec, b: Budgets, r: Rates, mode: str, limit: int = 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-def measure_host_adam() -> float:
-    """Host AdamW rate (parameters per second) of this machine: one fused step of 4M."""
-    p, g = torch.randn(1 << 22), torch.randn(1 << 22)
-    m1, m2, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())
-    from torch.optim.adamw import adamw
-    kw = dict(foreach=False, fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
-              weight_decay=0.01, eps=1e-8, maximize=False)
-    adamw([p], [g], [m1], [m2], [], [step], **kw)
-    start = time.perf_counter()
-    adamw([p], [g], [m1], [m2], [], [step], **kw)
-    return p.numel() / (time.perf_counter() - start)
-
-
-def measure_rates(disk_dir: str | None = None, size_mb: int = 64) -> Rates:
-    """Measure this machine: fp32 GEMM rate, memory copy bandwidth (the simulated device's
-    link), host AdamW rate, and disk read/write bandwidth (fsynced writes; reads of a file just
-    written may come from the page cache, so this is an upper bound)."""
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    start = time.perf_counter()
-    reps = 4
-    for _ in range(reps):
-        torch.mm(a, b)
-    flops = reps * 2 * n ** 3 / (time.perf_counter() - start)
-    src = torch.randn(size_mb << 18)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start = time.perf_counter()
-    dst.copy_(src)
-    copy_bw = src.numel() * 4 / (time.perf_counter() - start)
-    adam = measure_host_adam()
-    with tempfile.TemporaryDirectory(dir=disk_dir) as d:
-        path = os.path.join(d, "probe.bin")
-        data = memoryview(src.numpy()).cast("B")
-        start = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        write_bw = len(data) / (time.perf_counter() - start)
-        start = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(dst.numpy()).cast("B"))
-        read_bw = len(data) / (time.perf_counter() - start)
-    return Rates(flops_per_s=flops, h2d_bytes_per_s=copy_bw, d2h_bytes_per_s=copy_bw,
-                 adam_params_per_s=adam, device_adam_params_per_s=adam,
-                 disk_read_bytes_per_s=read_bw, disk_write_bytes_per_s=write_bw,
-                 overlap=torch.cuda.is_available())
 
 
 def fmt_bytes(n: float) -> str:

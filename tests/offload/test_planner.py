@@ -93,3 +93,102 @@ def test_moescale_plan_through_the_top_level_cli(capsys):
     assert "pick:" in capsys.readouterr().out
     assert cli_main(["plan", "--experts", "0"]) == 2  # a user error: one line, exit 2
     assert "num_experts=0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("slots,saved", [(4, 0), (8, 16), (16, None)])
+def test_disk_traffic_counts_the_bytes_the_store_moves(tmp_path, slots, saved):
+    """Steady-state steps of a real disk-tier store (2 layers x 8 experts, rows padded to
+    4096 bytes, a cache of N/4, N/2 and all N = 16 records) read and write what
+    planner.disk_traffic says: forward master rows, then master + moments read and written.
+    Usually exactly, but under CPU load the store's read-ahead sometimes loses its slot to a
+    foreground access and reads a record again (up to +30% seen at a cache of N/4 with a load
+    of 9 on 2 cores), so the least a steady-state step moved is compared: the scheme's bytes,
+    which the planner counts, are the floor that every clean step meets."""
+    import torch
+    from moescale.bench.offload import MoEStack, training_step
+    from moescale.offload import OffloadConfig, offload_moe
+    from moescale.offload.direct_io import align_up
+    from moescale.offload.planner import cache_saved_rows, disk_traffic
+    layers, d_model, d_ff, experts, tokens = 2, 48, 200, 8, 128
+    row = align_up(4 * 2 * d_model * d_ff)
+    assert row != 4 * 2 * d_model * d_ff               # the padding is exercised
+    spec = ModelSpec(moe_layers=layers, d_model=d_model, d_ff=d_ff, num_experts=experts,
+                     tokens=tokens, dtype="float32")
+    cache = slots * 4 * row
+    read, written = disk_traffic(spec, cache)
+    records = layers * experts
+    assert written == 3 * records * row
+    want_rows = 0 if saved is None else records + 3 * records - saved   # all 8 experts used
+    assert read == want_rows * row
+    assert cache_saved_rows(slots, records) == (float("inf") if saved is None else saved)
+    torch.manual_seed(0)
+    model = MoEStack(layers, d_model, d_ff, experts, 2)
+    engine = offload_moe(model, OffloadConfig(tier="disk", directory=str(tmp_path),
+                                              host_cache_bytes=cache, device="cpu",
+                                              device_budget_experts=3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine.follow(opt)
+    store, moved = engine.store, []
+    for _ in range(8):
+        before = store.bytes_read, store.bytes_written
+        training_step(model, torch.randn(tokens, d_model), opt, engine)
+        store.flush()
+        moved.append((store.bytes_read - before[0], store.bytes_written - before[1]))
+    engine.close()
+    steady = moved[1:]                                    # the first step fills the cache
+    got_read, got_written = min(m[0] for m in steady), min(m[1] for m in steady)
+    assert got_read == pytest.approx(read, rel=0.05, abs=row), moved
+    assert got_written == pytest.approx(written, rel=0.05), moved
+
+
+def test_disk_traffic_with_accumulation_adds_master_and_gradient_rows():
+    from moescale.offload.direct_io import align_up
+    from moescale.offload.planner import disk_traffic
+    spec = ModelSpec(moe_layers=2, d_model=64, d_ff=256, num_experts=8, tokens=4,
+                     micro_batches=3, dtype="float32")
+    row = align_up(4 * spec.expert_params)
+    used, records = 2 * 8, 16          # 4 tokens x top-2 reach all 8 experts at most
+    read, written = disk_traffic(spec, 0)
+    assert read == (3 * used + 3 * records + 2 * 2 * used) * row
+    assert written == (3 * records + 2 * used) * row
+    one = ModelSpec(moe_layers=2, d_model=64, d_ff=256, num_experts=8, tokens=2,
+                    dtype="float32")               # 2 tokens x top-2: 4 experts used per layer
+    assert disk_traffic(one, 0) == ((2 * 4 + 3 * records) * row, 3 * records * row)
+
+
+def test_disk_step_is_the_max_of_compute_and_the_disk_on_a_cpu():
+    from dataclasses import replace
+    spec = ModelSpec(num_experts=16, **ESMOE)
+    budgets = Budgets(device_bytes=40 * GB, host_bytes=512 * GB, disk_bytes=4096 * GB,
+                      host_cache_bytes=GB)
+    cpu = replace(A100_NODE, overlap=False)
+    host = estimate(spec, budgets, cpu, "host")
+    disk = estimate(spec, budgets, cpu, "disk")
+    assert disk.step_s == pytest.approx(max(host.step_s, disk.parts["disk_s"]))
+    read, write = disk.parts["disk_read_bytes_per_step"], disk.parts["disk_write_bytes_per_step"]
+    assert disk.parts["disk_s"] == pytest.approx(read / cpu.disk_read_bytes_per_s +
+                                                 write / cpu.disk_write_bytes_per_s)
+    slow = replace(cpu, disk_read_bytes_per_s=1e6, disk_write_bytes_per_s=1e6)
+    assert estimate(spec, budgets, slow, "disk").step_s == pytest.approx((read + write) / 1e6)
+
+
+def test_measured_rates_are_medians_of_warm_samples(tmp_path):
+    """Not a speed test: every probe is sampled warmup + runs times and the rate is the median
+    of the samples after the warm-ups (the disk through a real file)."""
+    import statistics
+    from moescale.offload.rates import RateProbes
+    sizes = dict(gemm_rows=8, d_model=16, d_ff=32, expert_params=1 << 12, copy_bytes=1 << 14)
+    with RateProbes(disk_dir=str(tmp_path), disk_file_bytes=1 << 20, **sizes) as probes:
+        for _ in range(5):
+            probes.sample()
+        rates = probes.rates(skip=2)
+        with pytest.raises(ValueError, match="skip"):
+            probes.rates(skip=0)
+    for name in ("flops_per_s", "adam_params_per_s", "copy_bytes_per_s",
+                 "disk_read_bytes_per_s", "disk_write_bytes_per_s"):
+        assert len(rates.samples[name]) == 3
+    assert rates.flops_per_s == statistics.median(rates.samples["flops_per_s"])
+    assert rates.disk_read_bytes_per_s == statistics.median(
+        rates.samples["disk_read_bytes_per_s"])
+    assert rates.h2d_bytes_per_s == rates.d2h_bytes_per_s > 0
+    assert list(tmp_path.iterdir()) == []          # the probe file is gone
