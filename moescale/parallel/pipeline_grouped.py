@@ -86,19 +86,19 @@ class PipelinedAllToAll(torch.autograd.Function):
         keeps_recv = keep and (di_mode == "keep" or (di_mode == "offload" and on_host))
         kept_x, kept_h = [], []
 
-        def compute(k, lay, x_recv):
-            work = work_dtype(x_recv)
+        def compute(k, lay, x_SD):
+            work = work_dtype(x_SD)
             if keep and di_mode != "recomm":
-                kept_x.append(x_recv if di_mode == "keep" else to_host(x_recv))
-            y_send = x_recv.new_empty(x_recv.shape) if keeps_recv else x_recv
-            dest, done = _row_writer(y_send, lay)
+                kept_x.append(x_SD if di_mode == "keep" else to_host(x_SD))
+            y_SD = x_SD.new_empty(x_SD.shape) if keeps_recv else x_SD
+            dest, done = _row_writer(y_SD, lay)
             h1, h3 = ffn_forward_blocks(
-                lay.num_recv, lay.local_counts, w, act, _row_reader(x_recv, lay, work), dest,
-                done, like=x_recv, keep_hidden=keep and h_mode != "recompute",
+                lay.num_recv, lay.local_counts, w, act, _row_reader(x_SD, lay, work), dest,
+                done, like=x_SD, keep_hidden=keep and h_mode != "recompute",
                 max_rows=block_rows)
             if keep and h_mode != "recompute":
                 kept_h.append((h1, h3) if h_mode == "keep" else (to_host(h1), to_host(h3)))
-            return y_send
+            return y_SD
 
         with torch.autocast(x_TD.device.type, enabled=False):
             ring = None if keeps_recv else make_ring(spec, x_TD.shape[1], x_TD)
@@ -130,26 +130,26 @@ class PipelinedAllToAll(torch.autograd.Function):
         start = mark(gy_TD)
         grads = None
 
-        def compute(k, lay, g_recv, s_recv, x_recv):
+        def compute(k, lay, g_SD, s_S, x_SD):
             nonlocal grads
             if need_dw and grads is None:
                 grads = FFNWeights(*(None if p is None else torch.zeros_like(p)
                                      for p in (w1, w2, w3, b1, b2)))
             if di_mode != "recomm":
-                x_recv, kept_x[k] = to_device(kept_x[k], device), None
+                x_SD, kept_x[k] = to_device(kept_x[k], device), None
             h1 = h3 = None
             if h_mode != "recompute":
                 (h1, h3), kept_h[k] = kept_h[k], None
                 h1, h3 = to_device(h1, device), to_device(h3, device)
-            work = work_dtype(x_recv)
-            scale_S = s_recv if lay.perm is None else s_recv.index_select(0, lay.perm)
-            dest, done = _row_writer(g_recv, lay) if need_dx else (None, None)
+            work = work_dtype(x_SD)
+            scale_S = s_S if lay.perm is None else s_S.index_select(0, lay.perm)
+            dest, done = _row_writer(g_SD, lay) if need_dx else (None, None)
             _, dscale_S = ffn_backward_blocks(
-                lay.local_counts, w, act, h1, h3, _row_reader(x_recv, lay, work),
-                _row_reader(g_recv, lay, work), dest, done, scale_S, need_dw, like=x_recv,
+                lay.local_counts, w, act, h1, h3, _row_reader(x_SD, lay, work),
+                _row_reader(g_SD, lay, work), dest, done, scale_S, need_dw, like=x_SD,
                 into=grads, max_rows=block_rows)
-            ds_send = _source_order(dscale_S, lay).to(s_recv.dtype) if need_ds else None
-            return (g_recv if need_dx else None), ds_send
+            ds_S = _source_order(dscale_S, lay).to(s_S.dtype) if need_ds else None
+            return (g_SD if need_dx else None), ds_S
 
         with torch.autocast(device.type, enabled=False):
             dx_TD, dscores_R = backward_chunks(

@@ -16,7 +16,8 @@ as with non-preserving checkpointing. The score gradient of a row is <output gra
 output> (the kept or re-run output). Expert parameter gradients are scaled by 1/W like
 everywhere else in expert parallelism; input gradients are not.
 
-Legend: T tokens, R rows sent, D model width, W ranks of the EP group.
+Legend: T tokens, R rows sent, S rows received in one chunk (source-major), N the same rows in
+expert-major order, D model width, W ranks of the EP group.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def _autocast(state):
     return torch.autocast(device_type, dtype=dtype)
 
 
-def _run(experts, x_loc, counts, state, need_dx):
-    """(x_leaf, y_loc) with an autograd graph to x_leaf and the experts' parameters."""
+def _run(experts, x_ND, counts, state, need_dx):
+    """(x_leaf_ND, y_ND) with an autograd graph to x_leaf_ND and the experts' parameters."""
     with torch.enable_grad(), _autocast(state):
-        x_leaf = x_loc.detach().requires_grad_(need_dx)
-        return x_leaf, experts.forward_rows(x_leaf, counts)
+        x_leaf_ND = x_ND.detach().requires_grad_(need_dx)
+        return x_leaf_ND, experts.forward_rows(x_leaf_ND, counts)
 
 
 def _expert_order(t: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
@@ -72,18 +73,18 @@ class PipelinedModuleAllToAll(torch.autograd.Function):
         keep = any(ctx.needs_input_grad)
         kept = []
 
-        def compute(k, lay, x_recv):
-            x_loc = _expert_order(x_recv, lay)
+        def compute(k, lay, x_SD):
+            x_ND = _expert_order(x_SD, lay)
             if keep and di_mode == "keep":
-                x_leaf, y_loc = _run(experts, x_loc, lay.local_counts, state, need_dx)
-                kept.append((x_leaf, y_loc))
-                y_loc = y_loc.detach()
+                x_leaf_ND, y_ND = _run(experts, x_ND, lay.local_counts, state, need_dx)
+                kept.append((x_leaf_ND, y_ND))
+                y_ND = y_ND.detach()
             else:
                 with torch.no_grad(), _autocast(state):
-                    y_loc = experts.forward_rows(x_loc, lay.local_counts)
+                    y_ND = experts.forward_rows(x_ND, lay.local_counts)
                 if keep and di_mode == "offload":
-                    kept.append(to_host(x_loc))
-            return _source_order(y_loc.to(x_recv.dtype), lay)
+                    kept.append(to_host(x_ND))
+            return _source_order(y_ND.to(x_SD.dtype), lay)
 
         ring = None if keep and di_mode != "recomm" else make_ring(spec, x_TD.shape[1], x_TD)
         y_TD = forward_chunks(spec, x_TD, scores_R, compute, ring)
@@ -104,36 +105,36 @@ class PipelinedModuleAllToAll(torch.autograd.Function):
         grads = [None] * len(wanted)
         kept = ctx.kept
 
-        def compute(k, lay, g_recv, s_recv, x_recv):
+        def compute(k, lay, g_SD, s_S, x_SD):
             nonlocal grads
             if di_mode == "keep":
-                (x_leaf, y_loc), kept[k] = kept[k], None
+                (x_leaf_ND, y_ND), kept[k] = kept[k], None
             else:
                 if di_mode == "offload":
-                    x_loc, kept[k] = to_device(kept[k], gy_TD.device), None
+                    x_ND, kept[k] = to_device(kept[k], gy_TD.device), None
                 else:
-                    x_loc = _expert_order(x_recv, lay)
-                x_leaf, y_loc = _run(experts, x_loc, lay.local_counts, ctx.state, need_dx)
-            g_loc = _expert_order(g_recv, lay)
-            s_loc = _expert_order(s_recv, lay)
-            ds_send = None
+                    x_ND = _expert_order(x_SD, lay)
+                x_leaf_ND, y_ND = _run(experts, x_ND, lay.local_counts, ctx.state, need_dx)
+            g_ND = _expert_order(g_SD, lay)
+            s_N = _expert_order(s_S, lay)
+            ds_S = None
             if need_ds:
-                ds_loc = (g_loc.float() * y_loc.detach().float()).sum(1)
-                ds_send = _source_order(ds_loc.to(s_recv.dtype), lay)
-            inputs = ([x_leaf] if need_dx else []) + wanted
-            if y_loc.requires_grad and inputs:
-                g_scaled = (g_loc * s_loc.to(g_loc.dtype).unsqueeze(1)).to(y_loc.dtype)
-                got = torch.autograd.grad(y_loc, inputs, g_scaled, allow_unused=True)
+                ds_N = (g_ND.float() * y_ND.detach().float()).sum(1)
+                ds_S = _source_order(ds_N.to(s_S.dtype), lay)
+            inputs = ([x_leaf_ND] if need_dx else []) + wanted
+            if y_ND.requires_grad and inputs:
+                g_scaled_ND = (g_ND * s_N.to(g_ND.dtype).unsqueeze(1)).to(y_ND.dtype)
+                got = torch.autograd.grad(y_ND, inputs, g_scaled_ND, allow_unused=True)
             else:                      # no rows here: nothing reached the experts
                 got = [None] * len(inputs)
-            dx_send = None
+            dx_SD = None
             if need_dx:
-                dx_loc = got[0] if got[0] is not None else torch.zeros_like(x_leaf)
-                dx_send = _source_order(dx_loc.to(g_recv.dtype), lay)
+                dx_ND = got[0] if got[0] is not None else torch.zeros_like(x_leaf_ND)
+                dx_SD = _source_order(dx_ND.to(g_SD.dtype), lay)
                 got = got[1:]
             grads = [g if acc is None else (acc if g is None else acc.add_(g))
                      for acc, g in zip(grads, got)]
-            return dx_send, ds_send
+            return dx_SD, ds_S
 
         dx_TD, dscores_R = backward_chunks(spec, gy_TD, scores_R,
                                            x_TD if di_mode == "recomm" else None, compute,

@@ -28,11 +28,12 @@ Buffers (what lives per chunk, and for how long):
 
 `mark` / `elapsed` time a call without a host sync (the tuner reads them one call later).
 
-Callbacks: forward `compute(k, layout, x_recv) -> y_send` (source-major rows, may be x_recv
-itself); backward `compute(k, layout, g_recv, s_recv, x_recv or None) -> (dx_send or None,
-ds_send or None)` (source-major; dx_send may be g_recv itself).
+Callbacks: forward `compute(k, layout, x_SD) -> y_SD` (source-major rows, may be x_SD
+itself); backward `compute(k, layout, g_SD, s_S, x_SD or None) -> (dx_SD or None,
+ds_S or None)` (source-major; dx_SD may be g_SD itself).
 
-Legend: T tokens, R rows sent (plan order), S rows received in one chunk, D model width.
+Legend: T tokens, R rows sent (plan order; a chunk's share of them too), S rows received in one
+chunk (source-major), D model width.
 """
 
 from __future__ import annotations
@@ -94,22 +95,22 @@ def forward_chunks(spec: PipelineSpec, x_TD: torch.Tensor, scores_R: torch.Tenso
                                 lay.recv_splits, groups.ep_group, "pipelined dispatch", out=out)
 
     def combine(k: int, pending: PendingAllToAll) -> None:
-        y_rows = pending.wait()
-        y_rows.mul_(_scores(scores_R, lays[k]).to(y_rows.dtype).unsqueeze(1))
-        y_TD.index_add_(0, lays[k].token_idx, y_rows)
+        y_rows_RD = pending.wait()
+        y_rows_RD.mul_(_scores(scores_R, lays[k]).to(y_rows_RD.dtype).unsqueeze(1))
+        y_TD.index_add_(0, lays[k].token_idx, y_rows_RD)
 
     pending, back = dispatch(0), None
     for k, lay in enumerate(lays):
-        x_recv = pending.wait()
+        x_SD = pending.wait()
         if k + 1 < len(lays):
             pending = dispatch(k + 1)
         spec.note("experts forward", k)
-        y_send = compute(k, lay, x_recv)
-        del x_recv
+        y_SD = compute(k, lay, x_SD)
+        del x_SD
         spec.note("pipelined combine", k)
-        ret = start_all_to_all(y_send, lay.recv_splits, lay.send_splits,
+        ret = start_all_to_all(y_SD, lay.recv_splits, lay.send_splits,
                                groups.ep_combine_group, "pipelined combine")
-        del y_send
+        del y_SD
         if back is not None:
             combine(*back)
         back = (k, ret)
@@ -167,8 +168,8 @@ def backward_chunks(spec: PipelineSpec, gy_TD: torch.Tensor, scores_R: torch.Ten
     pend_x = redispatch(0) if x_TD is not None else None
     back = None
     for k, lay in enumerate(lays):
-        g_recv, s_recv = pend_g[0].wait(), pend_g[1].wait()
-        x_recv = None if pend_x is None else pend_x.wait()
+        g_SD, s_S = pend_g[0].wait(), pend_g[1].wait()
+        x_SD = None if pend_x is None else pend_x.wait()
         if lean and back is not None:
             collect(*back)
             back = None
@@ -176,17 +177,17 @@ def backward_chunks(spec: PipelineSpec, gy_TD: torch.Tensor, scores_R: torch.Ten
             pend_g = send_grad(k + 1)
             pend_x = redispatch(k + 1) if x_TD is not None else None
         spec.note("experts backward", k)
-        dx_send, ds_send = compute(k, lay, g_recv, s_recv, x_recv)
-        del g_recv, s_recv, x_recv
+        dx_SD, ds_S = compute(k, lay, g_SD, s_S, x_SD)
+        del g_SD, s_S, x_SD
         ret_dx = ret_ds = None
         if need_dx:
             spec.note("input grads", k)
-            ret_dx = start_all_to_all(dx_send, lay.recv_splits, lay.send_splits,
+            ret_dx = start_all_to_all(dx_SD, lay.recv_splits, lay.send_splits,
                                       groups.ep_group, "pipelined backward (input grads)")
         if need_dscore:
-            ret_ds = start_all_to_all(ds_send, lay.recv_splits, lay.send_splits,
+            ret_ds = start_all_to_all(ds_S, lay.recv_splits, lay.send_splits,
                                       groups.ep_group, "pipelined backward (score grads)")
-        del dx_send, ds_send
+        del dx_SD, ds_S
         if back is not None:
             collect(*back)
         back = (k, ret_dx, ret_ds)
