@@ -62,6 +62,7 @@ def kill_resume_loop(launcher: Launcher, corpus: Path, run_dir: Path, *, steps: 
         resumed = start_step > 0
         argv = ["train", "--resume", str(run_dir)] if resumed else fresh
         old_temps = temp_files(run_dir)
+        old_ids = _temp_ids(run_dir, old_temps)
         child = launcher.start(argv, cwd)
         out.resumes += resumed
         if out.kills >= kills:
@@ -69,11 +70,13 @@ def kill_resume_loop(launcher: Launcher, corpus: Path, run_dir: Path, *, steps: 
             break
         target = min(steps, start_step + rng.choice((2, 3)))
 
-        def writing(child=child, target=target):
+        stale = {os.path.basename(t) for t in old_temps}
+
+        def writing(child=child, target=target, stale=stale):
             if not child.proc.is_alive():
                 return "exited"
-            try:
-                names = [OUR_TEMP.fullmatch(n) for n in os.listdir(ckpt_dir)]
+            try:   # a temp the last kill left is not this process writing (it sweeps it)
+                names = [OUR_TEMP.fullmatch(n) for n in os.listdir(ckpt_dir) if n not in stale]
             except FileNotFoundError:
                 return None
             return "kill" if any(m and int(m.group(1)) >= target for m in names) else None
@@ -87,11 +90,22 @@ def kill_resume_loop(launcher: Launcher, corpus: Path, run_dir: Path, *, steps: 
         else:
             out.final_code = child.wait()
             break
-        if old_temps:
-            out.left_after_start.append(len(set(old_temps) & set(temp_files(run_dir))))
+        if old_temps:   # the same file still there (a new kill may leave one of that name)
+            out.left_after_start.append(len(old_ids & _temp_ids(run_dir, temp_files(run_dir))))
         out.swept_lines += "temp file(s)" in child.text() and bool(old_temps)
     out.final_temps = temp_files(run_dir)
     out.losses = losses(run_dir)
     return out
 
 
+def _temp_ids(run_dir: Path, names: list[str]) -> set[tuple[str, int, int]]:
+    """(name, inode, mtime) of temp files: a swept file written again under the same name (the
+    store's temp directories are named by step) is another file."""
+    out = set()
+    for name in names:
+        try:
+            st = os.stat(run_dir / name)
+        except FileNotFoundError:
+            continue
+        out.add((name, st.st_ino, st.st_mtime_ns))
+    return out
