@@ -10,9 +10,13 @@ processes (moescale/bench/ep_memory_rank.py) measures:
   peak      VmHWM - VmRSS around one forward + backward of y.square().mean() after a warm-up
             step, with glibc returning every freed block of 64 KiB or more to the kernel;
   formula   moescale.parallel.memory_model's per-rank peak for the same T, R and S;
-  time      the median of `--steps` forward + backward steps (the slowest rank's);
   error     max |a - b| / max |b| of the output, input, router and expert gradients against
             the unpipelined dispatcher's (the reference configuration, measured first).
+
+Step times come from one more set of processes that holds the layer once and every
+configuration's dispatcher: the median over `--repeats` interleaved rounds (each runs every
+configuration once; the slowest rank's time), so that the machine's load hits every
+configuration alike.
 
 Then, on the same shape, what `strategy="auto"` picks at each chunk count: with the formulas
 (the dispatcher's `strategy_for`, its measured rates included) and with the peaks just
@@ -20,14 +24,14 @@ measured in place of the formulas (`choose_strategy(peaks=...)`), without a memo
 with `--limit` times the unpipelined peak.
 
 Targets (per rank): formula within 10% of the measured peak for every configuration; `none` at
-every chunk count from 2 <= 1.0x the unpipelined peak; S4 (reuse that needs no host memory: on a CPU,
-host memory is the device memory, so S1/S3 cannot save and S2 saves only the hidden) at 4
-chunks <= 0.60x, at 8 chunks lower still; errors <= 1e-5; every `auto` pick's measured peak at
+every chunk count from 2 <= 1.0x the unpipelined peak; S4 (the reuse that needs no host
+memory: on a CPU host memory is the device memory, so S1/S3 cannot save and S2 saves only the
+hidden) at 4 chunks <= 0.60x, at 8 chunks lower still; errors <= 1e-5; every `auto` pick's measured peak at
 most the unpipelined one.
 
     moescale bench ep-memory [--world 2] [--tokens 4096] [--d-model 1024] [--d-ff 4096]
         [--experts 8] [--variants ffn glu] [--chunks 2 4 8] [--strategies none S1 S2 S3 S4]
-        [--steps 2] [--limit 0.6] [--out PATH]
+        [--repeats 3] [--limit 0.6] [--out PATH]
 
 Writes benchmarks/results/ep_memory_<hardware>.json (with the CPU's model and flags).
 """
@@ -43,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from moescale.bench.ep_memory_rank import auto_choices, measure_config
+from moescale.bench.ep_memory_rank import auto_choices, measure_config, time_configs
 from moescale.bench.measure import hardware_tag, write_json
 from moescale.parallel.cost_model import Rates, choose_strategy
 from moescale.parallel.launch import run_local
@@ -90,20 +94,26 @@ def _formula(shape: LayerShape, config: dict) -> int:
 
 def _run_variant(ns, glu: bool, ref_dir: str) -> dict:
     args = dict(tokens=ns.tokens, d_model=ns.d_model, d_ff=ns.d_ff, experts=ns.experts,
-                glu=glu, steps=ns.steps, ref_dir=ref_dir)
+                glu=glu, ref_dir=ref_dir)
     rows = []
-    for config in _configs(ns.chunks, ns.strategies):
+    configs = _configs(ns.chunks, ns.strategies)
+    for config in configs:
         ranks = [r.value for r in run_local(measure_config, ns.world, (args, config),
                                             timeout_s=600, deadline_s=1800)]
         for r in ranks:
             r["formula_bytes"] = _formula(_shape(args, r, ns.world), config)
         rows.append(dict(config, ranks=ranks,
-                         seconds=max(statistics.median(r["seconds"]) for r in ranks),
                          max_rel_error=max(r["max_rel_error"] for r in ranks)))
         peaks = ", ".join(f"{r['peak_bytes'] / MB:.0f}" for r in ranks)
         formulas = ", ".join(f"{r['formula_bytes'] / MB:.0f}" for r in ranks)
-        print(f"  {config['label']:<18} peak {peaks} MB, formula {formulas} MB, "
-              f"{rows[-1]['seconds']:.2f} s", flush=True)
+        print(f"  {config['label']:<18} peak {peaks} MB, formula {formulas} MB", flush=True)
+    print(f"  timing {len(configs)} configurations interleaved, {ns.repeats} rounds", flush=True)
+    timed = [r.value for r in run_local(time_configs, ns.world, (args, configs, ns.repeats),
+                                        timeout_s=600, deadline_s=3600)]
+    for row in rows:
+        per_round = [max(t[row["label"]][i] for t in timed) for i in range(ns.repeats)]
+        row["round_seconds"] = per_round           # the slowest rank's, per round
+        row["seconds"] = statistics.median(per_round)
     base = {r["rank"]: r for r in rows[0]["ranks"]}
     for row in rows:
         for r in row["ranks"]:
@@ -199,14 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--strategies", nargs="+", default=["none", "S1", "S2", "S3", "S4"],
                     choices=("none", "S1", "S2", "S3", "S4"))
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved timing rounds (after one warm-up round)")
     ap.add_argument("--limit", type=float, default=0.6,
                     help="memory limit for auto, times the unpipelined peak")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
     ns = ap.parse_args(argv)
     report = dict(config=dict(world=ns.world, tokens=ns.tokens, d_model=ns.d_model,
                               d_ff=ns.d_ff, experts=ns.experts, top_k=2, dtype="float32",
-                              steps=ns.steps, limit=ns.limit, threads_per_rank=1),
+                              repeats=ns.repeats, limit=ns.limit, threads_per_rank=1),
                   hardware=dict(tag=hardware_tag(torch.device("cpu")), cpu=_cpu(),
                                 torch=torch.__version__),
                   variants={}, targets={})

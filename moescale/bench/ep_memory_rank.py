@@ -6,12 +6,15 @@ or more to the kernel at once (`mallopt` M_MMAP_THRESHOLD / M_TRIM_THRESHOLD, th
 MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=65536), so the resident set follows the
 live tensors; the layer (dispatcher `config`) runs one warm-up forward + backward; then, with
 the layer input already allocated, VmHWM is reset (clear_refs) and one forward + backward of
-`y.square().mean()` runs, y not held: peak = VmHWM - VmRSS before it. Further steps are timed
-only.
+`y.square().mean()` runs, y not held: peak = VmHWM - VmRSS before it (and its time).
 
 Outputs and gradients of the warm-up step (layer output, input gradient, router gradient, this
 rank's expert gradients) are saved by the reference configuration (the unpipelined dispatcher)
 into `ref_dir` and compared by every other configuration: max |a - b| / max |b|.
+
+`time_configs(rank, world, args, configs, repeats)` times every configuration in one set of
+processes, interleaved round-robin (the memory runs above are one configuration per process
+set, one after the other: their times would follow the machine's load, not the strategy).
 
 `auto_choices(rank, world, args, chunks)` asks `PipelinedExpertParallelDispatcher.strategy_for`
 (the dispatcher's own decision, measured rates included) what `strategy="auto"` picks.
@@ -131,17 +134,42 @@ def measure_config(rank: int, world: int, args: dict, config: dict) -> dict:
     reset_peak_rss()
     start = time.perf_counter()
     step(x)
-    seconds = [time.perf_counter() - start]
+    seconds = time.perf_counter() - start
     peak = peak_rss_bytes() - base
-    for _ in range(args["steps"] - 1):
-        moe.zero_grad(set_to_none=True)
-        x = x_TD.clone().requires_grad_(True)
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        step(x)
-        seconds.append(time.perf_counter() - start)
     return dict(rank=rank, peak_bytes=peak, base_rss_bytes=base, seconds=seconds,
                 max_rel_error=error, released_to_os=released, **counts)
+
+
+def time_configs(rank: int, world: int, args: dict, configs: list[dict], repeats: int) -> dict:
+    """Step times of every configuration in one set of processes, interleaved: one warm-up
+    round, then `repeats` rounds that each run every configuration once, starting one place
+    later each round (same layer and weights, only the dispatcher changes), so that load from
+    other processes hits every configuration alike. {label: [seconds per round]}."""
+    from moescale.parallel.expert_parallel import ExpertParallelDispatcher
+    from moescale.parallel.groups import ParallelConfig, build_groups
+    from moescale.parallel.pipeline import PipelinedExpertParallelDispatcher
+
+    groups = build_groups(ParallelConfig(backend="gloo", timeout_s=600))
+    moe, x_TD = _layer(rank, args, dict(chunks=0, strategy=None), groups)
+    dispatchers = {c["label"]: ExpertParallelDispatcher(groups, args["experts"])
+                   if c["chunks"] == 0 else
+                   PipelinedExpertParallelDispatcher(groups, args["experts"],
+                                                     num_chunks=c["chunks"],
+                                                     strategy=c["strategy"])
+                   for c in configs}
+    times = {c["label"]: [] for c in configs}
+    for rnd in range(1 + repeats):
+        shift = rnd % len(configs)
+        for c in configs[shift:] + configs[:shift]:
+            moe.dispatcher = dispatchers[c["label"]]
+            moe.zero_grad(set_to_none=True)
+            x = x_TD.clone().requires_grad_(True)
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            moe(x).square().mean().backward()
+            if rnd:
+                times[c["label"]].append(time.perf_counter() - start)
+    return times
 
 
 def auto_choices(rank: int, world: int, args: dict, chunks: list[int]) -> dict:

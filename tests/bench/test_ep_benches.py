@@ -23,7 +23,7 @@ def test_ep_memory_runs_every_configuration_and_checks_equality(tmp_path):
     out = tmp_path / "mem.json"
     code = cli.main(["ep-memory", "--tokens", "96", "--d-model", "16", "--d-ff", "32",
                      "--experts", "4", "--variants", "ffn", "--chunks", "2", "4",
-                     "--strategies", "none", "S4", "--steps", "1", "--out", str(out)])
+                     "--strategies", "none", "S4", "--repeats", "1", "--out", str(out)])
     report = json.loads(out.read_text())
     rows = report["variants"]["ffn"]["rows"]
     assert [(r["chunks"], r["strategy"]) for r in rows] == \
@@ -32,6 +32,7 @@ def test_ep_memory_runs_every_configuration_and_checks_equality(tmp_path):
         assert {r["rank"] for r in row["ranks"]} == {0, 1}
         assert all(r["formula_bytes"] > 0 and r["released_to_os"] for r in row["ranks"])
         assert row["max_rel_error"] <= 1e-5 and row["seconds"] > 0
+        assert len(row["round_seconds"]) == 1
     auto = report["variants"]["ffn"]["auto"]
     assert set(auto["picks"]) == {"2", "4", "2 limit", "4 limit"}
     assert report["targets"]["ffn: outputs and gradients within 1e-5 of the unpipelined "

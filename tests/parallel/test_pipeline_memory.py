@@ -19,7 +19,7 @@ from moescale.parallel.memory_model import (LayerShape, pipelined_peak_bytes,
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
-ARGS = dict(tokens=2048, d_model=256, d_ff=1024, experts=8, steps=1)
+ARGS = dict(tokens=2048, d_model=256, d_ff=1024, experts=8)
 CONFIGS = [dict(chunks=0, strategy=None), dict(chunks=4, strategy="none"),
            dict(chunks=4, strategy="S4"), dict(chunks=8, strategy="S4")]
 
