@@ -111,12 +111,23 @@ def _write_record(path: str, data_4P: torch.Tensor) -> dict:
 
 
 def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
-    """Hard-link a disk-tier store's files into tmp; across filesystems, copy them, checking
-    each against the sums the store wrote (a file damaged under the store fails the save)."""
+    """Hard-link a disk-tier store's files into tmp (see link_disk_store)."""
+    return {f"{key[0]},{key[1]}": info for key, info in
+            link_disk_store(store, lambda key: _record_path(tmp, key)).items()}
+
+
+def link_disk_store(store: ExpertStore, dest_of) -> dict:
+    """Hard-link every file of a disk-tier store (flushed first) to dest_of(key), a path (None:
+    not saved); across filesystems, copy them, checking each against the sums the store wrote
+    (a file damaged under the store fails the save). Freezes the files (the store's next write
+    of an expert goes to a new file). Returns {key: {step, grad, sums {"pos": chunk sums}}} of
+    the keys saved (expert shards link a rank's records under global names with it)."""
     copies = []
 
     def link(path: str, key) -> None:
-        dest = _record_path(tmp, key)
+        dest = dest_of(key)
+        if dest is None:
+            return
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         if not copies:
             try:
@@ -146,9 +157,9 @@ def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
                     os.fsync(f.fileno())
         finally:
             buf.close()
-    return {f"{key[0]},{key[1]}": dict(step=store.step_of(key), grad=info["grad"],
-                                       sums={str(p): c for p, c in info["sums"].items()})
-            for key, info in snap.items()}
+    return {key: dict(step=store.step_of(key), grad=info["grad"],
+                      sums={str(p): c for p, c in info["sums"].items()})
+            for key, info in snap.items() if dest_of(key) is not None}
 
 
 def _publish(directory: str, tag: str, layouts, num_experts, write) -> str:
