@@ -14,6 +14,7 @@ from moescale.parallel.dynamic import (DynamicPlacementDispatcher, PlacementStat
                                        load_model_config, placement_stats, sum_expert_grads)
 from moescale.parallel.dynamic_experts import (SharedStoreExperts, dynamic_placement_moe,
                                                shared_expert_store, step_shared_experts)
+from moescale.parallel.choices import PipelineChoice, pipeline_choices
 from moescale.parallel.cost_model import LayerShape, Rates, choose_strategy, measure_rates
 from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, ExpertShard,
                                                expert_parallel_model, expert_parallel_moe,
@@ -35,7 +36,8 @@ __all__ = [
     "SharedStoreExperts", "dynamic_placement_moe", "load_model_config", "placement_stats",
     "plan_placement", "shared_expert_store", "step_shared_experts", "sum_expert_grads",
     "ChunkTuner", "ExpertParallelDispatcher", "ExpertShard", "LayerShape", "ParallelConfig",
-    "ParallelGroups", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher", "Rates",
+    "ParallelGroups", "PipelineChoice", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher",
+    "Rates", "pipeline_choices",
     "TunerConfig", "all_reduce_sum", "all_to_all_rows", "all_to_all_rows_async",
     "allreduce_gradients", "build_groups", "choose_strategy", "clip_grad_norm_",
     "ddp_ignore_names", "exchange_counts", "expert_parallel_model", "expert_parallel_moe",

@@ -33,7 +33,9 @@ copy), maximized over the EP group so every rank predicts the same and picks the
 `choose_strategy` picks the fastest predicted strategy among those whose peak is at most the
 unpipelined dispatcher's (so `auto` never costs memory; when none is, the unpipelined
 dispatcher itself) and, when given, at most the memory limit; measured peaks (from
-`moescale bench ep-memory`) replace the formulas when supplied.
+`moescale bench ep-memory`) replace the formulas when supplied. When nothing fits at the given
+chunk count it raises a ValueError naming the fewest chunks at which something would (the
+dispatcher's chunks="auto" only tries counts where something fits: `chunks_that_fit`).
 
 It does not model the router, attention or the combine's index_add (the same for every choice).
 """
@@ -49,8 +51,9 @@ import torch
 import torch.distributed as dist
 
 from moescale.parallel.all_to_all import collective_errors, start_all_to_all
-from moescale.parallel.memory_model import (STRATEGIES, STRATEGY_NAMES, LayerShape,
-                                            pipelined_peak_bytes, unpipelined_peak_bytes)
+from moescale.parallel.memory_model import (MAX_CHUNKS, STRATEGIES, STRATEGY_NAMES,
+                                            LayerShape, pipelined_peak_bytes,
+                                            smallest_fitting_chunks, unpipelined_peak_bytes)
 
 __all__ = ["STRATEGIES", "STRATEGY_NAMES", "LayerShape", "MemoryEstimate", "Rates",
            "TimeEstimate", "choose_strategy", "measure_rates", "memory_bytes",
@@ -146,10 +149,13 @@ def choose_strategy(shape: LayerShape, rates: Rates, chunks: int,
     fitting = [row for row in table if row["fits"]]
     if not fitting:
         smallest = min(table, key=lambda row: row["peak_bytes"])
-        raise ValueError(f"memory_limit_bytes={memory_limit_bytes} is below every strategy's "
-                         f"per-rank peak (smallest: {smallest['strategy']} with "
-                         f"{smallest['peak_bytes']} bytes at chunks={chunks}); raise the limit "
-                         "or use more chunks")
+        more = smallest_fitting_chunks(shape, memory_limit_bytes, candidates, start=chunks + 1,
+                                       peaks={chunks: peaks} if peaks else None)
+        fix = f"use chunks={more} (the fewest that fit) or chunks='auto'" if more else \
+            f"no chunk count up to {MAX_CHUNKS} fits: raise the limit"
+        raise ValueError(f"memory_limit_bytes={memory_limit_bytes:g} is below every strategy's "
+                         f"per-rank peak at chunks={chunks} (smallest: {smallest['strategy']} "
+                         f"with {smallest['peak_bytes']} bytes); {fix}")
     best = min(fitting, key=lambda row: (row["total_s"], table.index(row)))
     return best["strategy"], table
 

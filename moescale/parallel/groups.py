@@ -41,7 +41,10 @@ class ParallelConfig:
     chunks:    1 (plain exchange), a chunk count (pipelined), or "auto" (online tuner).
     reuse:     pipelined memory reuse: "none", "S1".."S4", or "auto" (cost model).
     memory_limit_bytes: per-rank peak bytes one layer step may reach (forward + backward,
-        weight gradients included; reuse="auto"; see moescale.parallel.memory_model).
+        weight gradients included; see moescale.parallel.memory_model). Bounds the automatic
+        choices: reuse="auto" picks among the strategies that fit, chunks="auto" tries only
+        chunk counts at which one fits (more chunks when needed); a fixed chunk count at which
+        nothing fits raises, naming the fewest that would.
     """
 
     ep_size: int | None = None
@@ -63,6 +66,9 @@ class ParallelConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is unknown; use one of "
                              f"{', '.join(BACKENDS)}")
+        if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
+            raise ValueError(f"memory_limit_bytes={self.memory_limit_bytes!r} must be > 0 "
+                             "(per-rank peak bytes of one layer step), or None for no limit")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 seconds (collectives "
                              "that wait longer fail instead of hanging)")

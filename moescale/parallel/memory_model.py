@@ -26,6 +26,10 @@ On a CPU host memory is the device memory: offloaded bytes count (S1 holds what 
 The caller is assumed not to hold the layer's output during backward (its next layer keeps
 its own input), and its loss to add at most one T-row tensor at the end of forward.
 
+Fitting a memory limit: `lowest_peak` is the leanest configuration at a chunk count,
+`chunks_that_fit` the chunk counts an automatic choice may use under a limit (more chunks than
+its candidates when none of them fits), `smallest_fitting_chunks` the count an error names.
+
 Not modelled: the router and the routing plan (T*E and R-sized index tensors, under 1% at
 realistic widths), allocator slack, and experts whose rows are far above the mean (block
 buffers are sized by the mean rows per expert).
@@ -39,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Iterable, Mapping
 
 from moescale.layers.grouped_ffn import chunk_rows
 
@@ -188,3 +193,70 @@ def pipelined_peak_bytes(p: LayerShape, strategy: str, chunks: int) -> int:
             points.append(base + (k == 1) * T * row + rings + sent + (1 + prev) * r * row
                           + kept - di_kept - h_kept)
     return max(points)
+
+
+# The most chunks the auto choice and the error messages consider (the peak stops falling once
+# a chunk holds a few rows; each chunk costs an all-to-all latency per exchange).
+MAX_CHUNKS = 256
+
+
+def peak_at(p: LayerShape, strategy: str, chunks: int,
+            peaks: Mapping[int, Mapping[str, float]] | None = None) -> float:
+    """Per-rank peak of `strategy` ("unpipelined": the plain dispatcher) at `chunks`: the measured
+    value from `peaks` ({chunks: {strategy: bytes}}) when given, else the formula."""
+    measured = (peaks or {}).get(chunks, {})
+    if strategy in measured:
+        return measured[strategy]
+    if strategy == "unpipelined":
+        unpiped = [m["unpipelined"] for m in (peaks or {}).values() if "unpipelined" in m]
+        return unpiped[0] if unpiped else unpipelined_peak_bytes(p)
+    return pipelined_peak_bytes(p, strategy, chunks)
+
+
+def lowest_peak(p: LayerShape, chunks: int, strategies: Iterable[str], *, plain: bool = True,
+                peaks: Mapping[int, Mapping[str, float]] | None = None) -> tuple[str, float]:
+    """(name, bytes) of the leanest configuration at `chunks`: one of `strategies`, or with
+    `plain` the unpipelined dispatcher too (what strategy="auto" may fall back to)."""
+    names = tuple(strategies) + (("unpipelined",) if plain else ())
+    return min(((n, peak_at(p, n, chunks, peaks)) for n in names), key=lambda nb: nb[1])
+
+
+def smallest_fitting_chunks(p: LayerShape, limit: float, strategies: Iterable[str], *,
+                            start: int = 1, plain: bool = True,
+                            peaks: Mapping[int, Mapping[str, float]] | None = None,
+                            max_chunks: int = MAX_CHUNKS) -> int | None:
+    """The smallest chunk count in [start, max_chunks] at which some configuration's peak is at
+    most `limit` (see `lowest_peak`), or None."""
+    strategies = tuple(strategies)
+    for c in range(max(1, start), max_chunks + 1):
+        if lowest_peak(p, c, strategies, plain=plain, peaks=peaks)[1] <= limit:
+            return c
+    return None
+
+
+def chunks_that_fit(p: LayerShape, limit: float | None, candidates: Iterable[int],
+                    strategies: Iterable[str], *, plain: bool = True,
+                    peaks: Mapping[int, Mapping[str, float]] | None = None) -> tuple[int, ...]:
+    """The chunk counts the auto choice may use under `limit`: the candidates at which some
+    configuration fits; when none does, the first count of the doubling series after the
+    largest candidate (16, 32, ... up to MAX_CHUNKS) that fits, alone. All candidates when
+    `limit` is None. Raises ValueError when no count up to MAX_CHUNKS fits."""
+    candidates, strategies = tuple(sorted(set(candidates))), tuple(strategies)
+    if limit is None:
+        return candidates
+    fit = tuple(c for c in candidates
+                if lowest_peak(p, c, strategies, plain=plain, peaks=peaks)[1] <= limit)
+    if fit:
+        return fit
+    c = max(candidates)
+    while c < MAX_CHUNKS:
+        c = min(2 * c, MAX_CHUNKS)
+        if lowest_peak(p, c, strategies, plain=plain, peaks=peaks)[1] <= limit:
+            return (c,)
+    name, peak = lowest_peak(p, MAX_CHUNKS, strategies, plain=plain, peaks=peaks)
+    raise ValueError(f"memory_limit_bytes={limit:g} is below the per-rank peak of every "
+                     f"configuration ({', '.join(strategies)}{', unpipelined' if plain else ''})"
+                     f" at every chunk count up to {MAX_CHUNKS} (the lowest: {name} with "
+                     f"{int(peak)} bytes at {MAX_CHUNKS} chunks, for {p.rows} rows of "
+                     f"d_model {p.d_model}, d_ff {p.d_ff}); raise the limit to at least "
+                     f"{int(peak)} bytes or send fewer tokens per call")

@@ -35,6 +35,7 @@ from moescale.parallel.all_to_all import exchange_counts
 from moescale.parallel.cost_model import STRATEGIES, LayerShape, Rates, choose_strategy, \
     measure_rates
 from moescale.parallel.expert_parallel import ExpertParallelDispatcher
+from moescale.parallel.memory_model import STRATEGY_NAMES, chunks_that_fit
 from moescale.parallel.groups import ParallelGroups
 from moescale.parallel.pipeline_grouped import PipelinedAllToAll, run_grouped_pipeline
 from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec, chunk_layouts
@@ -59,6 +60,8 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
     `memory_limit_bytes` (the layer step's peak, weight gradients included), or the
     unpipelined dispatcher itself when no strategy is. `peaks` ({chunks: {strategy or
     "unpipelined": bytes}}, e.g. from `moescale bench ep-memory`) replaces the formulas.
+    num_chunks="auto" under `memory_limit_bytes` (grouped experts): the tuner only tries chunk
+    counts at which something fits (`chunks_for`), more than its candidates when needed.
     """
 
     def __init__(self, groups: ParallelGroups, num_experts: int, *,
@@ -107,6 +110,24 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         peaks = None if self.peaks is None else self.peaks.get(chunks)
         return choose_strategy(shape, self.rates, chunks, self.memory_limit_bytes, peaks=peaks)
 
+    def chunks_for(self, bucket: int, max_tokens: int, max_rows: int, local,
+                   x_TD: torch.Tensor) -> int:
+        """The chunk count of this call: the one given, or the tuner's pick among the counts
+        at which some strategy (the given one, or any and the unpipelined dispatcher for
+        "auto") fits `memory_limit_bytes` (`chunks_that_fit`: more chunks than the tuner's
+        candidates when none of them fits). Module experts: no FFN shape, the limit is not
+        applied."""
+        if self.tuner is None:
+            return self.num_chunks
+        if self.memory_limit_bytes is None or not isinstance(local, GroupedExperts):
+            return self.tuner.choose(bucket)
+        auto = self.strategy == "auto"
+        allowed = chunks_that_fit(self.layer_shape(max_tokens, max_rows, local, x_TD),
+                                  self.memory_limit_bytes, self.tuner.config.candidates,
+                                  STRATEGY_NAMES if auto else (self.strategy,), plain=auto,
+                                  peaks=self.peaks)
+        return self.tuner.choose(bucket, allowed)
+
     def spec(self, plan: RoutingPlan, send_WL, recv_WL, chunks: int,
              strategy: str) -> PipelineSpec:
         """The chunk layouts and settings of one call (send/recv counts from `_exchange`)."""
@@ -154,9 +175,9 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         start = mark(x_TD)
         send_WL, recv_WL, max_rows, max_tokens = self._exchange(plan, x_TD.device)
         bucket = bucket_of(max_rows)
-        chunks = self.tuner.choose(bucket) if self.tuner is not None else self.num_chunks
-        self.history.append((bucket, chunks))
         x_TD = x_TD.to(compute_dtype(x_TD))
+        chunks = self.chunks_for(bucket, max_tokens, max_rows, local, x_TD)
+        self.history.append((bucket, chunks))
         strategy, table = self.strategy_for(max_tokens, max_rows, chunks, local, x_TD)
         if strategy == "unpipelined":
             self.last_stats = dict(bucket=bucket, chunks=chunks, strategy=strategy,

@@ -9,18 +9,25 @@ candidate alike), then keeps the one with the smallest median forward+backward t
 median resists the occasional slow step that other processes cause). 1 is always a
 candidate, so pipelining never loses to not pipelining by more than the measurement noise.
 
+Under a memory limit the dispatcher passes `allowed`: the chunk counts at which some strategy
+fits (`memory_model.chunks_that_fit`; a count beyond the candidates when none of them does).
+The tuner then warms up at the fewest allowed chunks and explores and picks among the allowed
+counts only, so it never runs a count that would not fit.
+
 Identical on every rank by construction: the dispatcher feeds it the MAX over the ranks of
 each measured time and the bucket from the ranks' row counts, both carried by the counts
 exchange it does anyway (no extra collective, no extra host sync); the tuner itself is a pure
 function of that shared history.
 
-It does not time anything itself and never talks to other ranks.
+It does not time anything itself, never talks to other ranks and computes no memory.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+from moescale.parallel.memory_model import MAX_CHUNKS
 
 
 @dataclass(kw_only=True)
@@ -58,22 +65,36 @@ class ChunkTuner:
     def _bucket(self, bucket: int) -> dict[int, list[float]]:
         return self.samples.setdefault(bucket, {c: [] for c in self.config.candidates})
 
-    def choose(self, bucket: int) -> int:
-        """Next chunk count for this bucket: warm up at 1, explore round-robin, then the
-        fastest."""
-        if self.skipped.get(bucket, 0) < self.config.warmup:
-            return 1
-        table = self._bucket(bucket)
-        fewest = min(len(v) for v in table.values())
-        if fewest < self.config.trials:
-            return next(c for c in self.config.candidates if len(table[c]) == fewest)
-        return self.best(bucket)
+    def _allowed(self, allowed) -> tuple[int, ...]:
+        if allowed is None:
+            return self.config.candidates
+        allowed = tuple(sorted(set(allowed)))
+        if not allowed or any(not isinstance(c, int) or c < 1 for c in allowed):
+            raise ValueError(f"allowed={allowed!r} must be a non-empty set of positive chunk "
+                             "counts")
+        return allowed
 
-    def best(self, bucket: int) -> int:
+    def choose(self, bucket: int, allowed: tuple[int, ...] | None = None) -> int:
+        """Next chunk count for this bucket: warm up at the fewest chunks (1 unless `allowed`
+        excludes it), explore round-robin, then the fastest; only `allowed` counts (default:
+        the candidates)."""
+        allowed = self._allowed(allowed)
+        if self.skipped.get(bucket, 0) < self.config.warmup:
+            return allowed[0]
         table = self._bucket(bucket)
-        measured = [c for c in self.config.candidates if table[c]]
+        fewest = min(len(table.get(c, ())) for c in allowed)
+        if fewest < self.config.trials:
+            return next(c for c in allowed if len(table.get(c, ())) == fewest)
+        return self.best(bucket, allowed)
+
+    def best(self, bucket: int, allowed: tuple[int, ...] | None = None) -> int:
+        """The allowed count with the smallest median time (the fewest allowed before any
+        measurement)."""
+        allowed = self._allowed(allowed)
+        table = self._bucket(bucket)
+        measured = [c for c in allowed if table.get(c)]
         if not measured:
-            return 1
+            return allowed[0]
         return min(measured, key=lambda c: (statistics.median(table[c]), c))
 
     def record(self, bucket: int, chunks: int, seconds: float) -> None:
@@ -83,10 +104,13 @@ class ChunkTuner:
         if self.skipped.get(bucket, 0) < self.config.warmup:
             self.skipped[bucket] = self.skipped.get(bucket, 0) + 1
             return
-        times = self._bucket(bucket).get(chunks)
+        table = self._bucket(bucket)
+        if chunks not in table and isinstance(chunks, int) and 0 < chunks <= MAX_CHUNKS:
+            table[chunks] = []       # a count beyond the candidates, chosen under a limit
+        times = table.get(chunks)
         if times is not None and len(times) < self.config.trials:
             times.append(float(seconds))
 
-    def converged(self, bucket: int) -> bool:
+    def converged(self, bucket: int, allowed: tuple[int, ...] | None = None) -> bool:
         table = self._bucket(bucket)
-        return all(len(v) >= self.config.trials for v in table.values())
+        return all(len(table.get(c, ())) >= self.config.trials for c in self._allowed(allowed))
