@@ -1,28 +1,34 @@
-"""Run per-expert CPU work on several threads, each with one intra-op thread.
+"""Run per-expert CPU work on several threads whose intra-op threads together fit the CPUs.
 
 Many small per-expert GEMMs lose much of their time at the end-of-op barrier of torch's
 intra-op thread team, and badly so when the cores are shared with other processes: one thread
 of the team is descheduled and the others wait at every GEMM. Measured on a busy 2-core VM:
 64 experts x 128-row GEMMs took 3.8x as long as one dense GEMM of the same size with the
 2-thread team, 1.4x with two workers of one thread each taking whole experts. This module
-gives each of N worker threads (N = torch's intra-op thread count, at most the usable CPUs)
-whole experts, balanced by rows (largest first), so the only synchronisation left is the final
-join.
+gives each of N worker threads whole experts, balanced by rows (largest first), so the only
+synchronisation left is the final join.
+
+Thread budget: B = min(torch's intra-op thread count, the usable CPUs). N = min(B, non-empty
+experts // 2) workers (none when N < 2), and each worker runs `worker_share(B, N)` = B // N
+intra-op threads, so workers x threads per worker never exceeds B (on a 2-core machine: two
+workers of one thread each).
 
 Thread-count mechanics: `torch.set_num_threads(1)` in a worker sets that thread's OpenMP and MKL
-thread counts (thread-local) and torch's process-wide default for threads created later; the
+thread counts (thread-local) and torch's process-wide default for threads created later (the
+same holds for `set_num_threads(share)`); the
 caller restores the latter as soon as every worker has started, so its own settings and those
 of other threads are unchanged. A new thread initialises its OpenMP count lazily, from the
 process-wide default, at its first parallel region (or `torch.get_num_threads()`); a worker
-triggers that initialisation before it sets 1, or the caller's restore would win and every
-worker would run the caller's whole thread team (2 workers x 2 OpenMP threads on 2 cores, and a
-new OpenMP team for every worker of every call). So each call runs exactly `workers` compute
-threads, never more than the CPUs this process may use (`usable_cpus`), and creates no OpenMP
-team. Workers run under `torch.no_grad()` (grad mode is per thread) and with autocast off (its
-state is per thread too).
+triggers that initialisation before it sets its share, or the caller's restore would win and
+every worker would run the caller's whole thread team (2 workers x 2 OpenMP threads on 2
+cores, and a new OpenMP team for every worker of every call). So each call runs at most B
+compute threads, never more than the CPUs this process may use (`usable_cpus`), and, with a
+share of 1 (always so when workers = CPUs), creates no OpenMP team; a share above 1 (many
+cores, few experts) costs one team per worker per call. Workers run under `torch.no_grad()`
+(grad mode is per thread) and with autocast off (its state is per thread too).
 
 Used only on CPU tensors, with more than one intra-op thread, and with at least two non-empty
-experts per worker; never nested (inside a worker the intra-op count is 1). Accelerators run
+experts per worker; never nested (a worker's tasks run kernels, not other worker calls). Accelerators run
 the serial loop (their kernels queue asynchronously). This file knows nothing about FFNs.
 """
 
@@ -42,16 +48,26 @@ def usable_cpus() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def thread_budget() -> int:
+    """Compute threads one call may run: torch's intra-op count, at most the usable CPUs."""
+    return max(1, min(torch.get_num_threads(), usable_cpus()))
+
+
 def num_expert_workers(device: torch.device, counts: Sequence[int]) -> int:
-    """How many worker threads to use for these per-expert row counts (0: run serially)."""
+    """How many worker threads to use for these per-expert row counts (0: run serially):
+    at most the thread budget, with at least two non-empty experts per worker."""
     if device.type != "cpu":
         return 0
-    threads = min(torch.get_num_threads(), usable_cpus())
-    if threads < 2:
-        return 0
-    if sum(1 for n in counts if n) < 2 * threads:
-        return 0
-    return threads
+    workers = min(thread_budget(), sum(1 for n in counts if n) // 2)
+    return workers if workers >= 2 else 0
+
+
+def worker_share(budget: int, num_workers: int) -> int:
+    """Intra-op threads per worker: budget // workers (at least 1), so that
+    workers x share <= budget."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers={num_workers} must be >= 1")
+    return max(1, budget // num_workers)
 
 
 def balance_experts(counts: Sequence[int], num_workers: int) -> list[list[int]]:
@@ -67,15 +83,17 @@ def balance_experts(counts: Sequence[int], num_workers: int) -> list[list[int]]:
 
 
 def run_on_workers(tasks: Sequence[Callable[[], None]]) -> None:
-    """Run each task on its own thread with one intra-op thread; re-raise the first error."""
+    """Run each task on its own thread with `worker_share` intra-op threads (1 when there are
+    as many tasks as CPUs); re-raise the first error."""
     caller_threads = torch.get_num_threads()
+    share = worker_share(thread_budget(), len(tasks))
     started = threading.Barrier(len(tasks) + 1)
     errors: list[BaseException] = []
 
     def body(task: Callable[[], None]) -> None:
         try:
             torch.get_num_threads()   # this thread's lazy OpenMP init happens now, not later
-            torch.set_num_threads(1)
+            torch.set_num_threads(share)
         finally:
             started.wait()
         try:
