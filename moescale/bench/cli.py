@@ -20,6 +20,8 @@ BENCHMARKS = {
     "offload-disk": ("moescale.bench.offload_disk",
                      "disk tier beyond RAM: >= 8 GB expert state, peak RSS, bytes moved"),
     "plan-check": ("moescale.bench.plan_check", "planner step-time predictions vs measured"),
+    "expert-shards": ("moescale.bench.expert_shards",
+                      "sharded expert checkpoints on the disk tier: per-rank peak RSS vs share"),
     "ep-memory": ("moescale.bench.ep_memory",
                   "pipelined all-to-all: real per-rank peak vs formula, step time, auto pick"),
     "ep-speed": ("moescale.bench.ep_speed",
