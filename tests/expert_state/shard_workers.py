@@ -22,9 +22,13 @@ from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE
 from moescale.models.gpt import GPT, GPTConfig
 from moescale.offload import OffloadConfig, offload_moe
+from moescale.parallel.dynamic_experts import (SharedStoreExperts, dynamic_placement_moe,
+                                               step_shared_experts)
 from moescale.parallel.expert_parallel import ExpertShard, expert_parallel_model
 from moescale.parallel.grad_sync import allreduce_gradients
 from moescale.parallel.groups import ParallelConfig, build_groups
+from moescale.parallel.node_store import node_expert_store
+from moescale.parallel.placement import PlacementConfig
 from moescale.parallel.state import full_state_dict
 
 VOCAB, SEQ, ROWS = 48, 8, 2
@@ -39,8 +43,21 @@ def make_model(seed: int = 0) -> GPT:
 
 
 def build(rank: int, world: int, tier: str | None, store_dir: str, seed: int = 0):
-    """(model, optimizer, engine, groups) on this rank: EP over the world when world > 1."""
+    """(model, optimizer, engine, groups) on this rank: EP over the world when world > 1;
+    tier "dynamic": dynamic placement over one node store shared by the ranks."""
     model, groups = make_model(seed), None
+    if tier == "dynamic":
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        store = node_expert_store(moes, None)         # /dev/shm, removed once mapped
+        index = {id(m): i for i, m in enumerate(moes)}
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if id(child) in index:
+                    setattr(module, name, dynamic_placement_moe(
+                        child, store, index[id(child)], None, PlacementConfig(
+                            num_devices=world)))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05), \
+            None, None
     if world > 1:
         groups = build_groups(ParallelConfig(backend="gloo", timeout_s=20))
         expert_parallel_model(model, groups)
@@ -64,14 +81,21 @@ def train_step(model, opt, engine, groups, step: int, rank: int, world: int) -> 
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     _, loss = model(idx[rows], tgt[rows])
     loss.backward()
+    shared = [m.experts for m in model.modules()
+              if isinstance(m, MoE) and isinstance(m.experts, SharedStoreExperts)]
     if groups is not None:
         allreduce_gradients(model, groups)
+    elif shared:           # dynamic placement: dense gradients averaged, owners step experts
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        step_shared_experts(shared, None, lr=1e-2, weight_decay=0.05)
     if engine is not None:
         engine.step()
     opt.step()
     opt.zero_grad()
     value = torch.tensor([loss.item()], dtype=torch.float64)
-    if groups is not None:
+    if world > 1:
         dist.all_reduce(value)
     return float(value[0]) / world
 
@@ -101,7 +125,7 @@ def snapshot(model, opt, engine) -> dict:
                         d[f"exp_avg_sq/{pname}"] = state["exp_avg_sq"][l].clone()
                         d["step"] = float(state["step"])
             continue
-        store = engine.store
+        store = experts.store if isinstance(experts, SharedStoreExperts) else engine.store
         layout = store.layouts[experts.layer_index]
         for l in range(experts.num_experts):
             record, step = store.read_record((experts.layer_index, l))
@@ -129,8 +153,8 @@ def train_and_save(rank: int, world: int, tier, directory: str, steps: int):
         for step in range(steps):
             train_step(model, opt, engine, groups, step, rank, world)
         mine = snapshot(model, opt, engine)
-        parts = [mine] if groups is None else [None] * world
-        if groups is not None:
+        parts = [mine] if world == 1 else [None] * world
+        if world > 1:
             dist.all_gather_object(parts, mine)
         ref = {k: v for part in parts for k, v in part.items()}
         if tier is None and groups is not None:      # the consolidated checkpoint's weights
@@ -140,7 +164,8 @@ def train_and_save(rank: int, world: int, tier, directory: str, steps: int):
                     if f"master/{pname}" in d:
                         assert torch.equal(full[f"{key}.{pname}"][e], d[f"master/{pname}"])
         entry = save_expert_shards(model, directory, rank=rank, tag=f"{steps:08d}",
-                                   optimizer=opt, engine=engine)
+                                   optimizer=opt, engine=engine,
+                                   share=(rank, world) if tier == "dynamic" else None)
         if tier == "disk":     # the shard's record files are the store's own (hard links)
             store = engine.store
             for layer, num in enumerate(store.num_experts):
@@ -171,7 +196,11 @@ def load_and_check(rank: int, world: int, tiers, directory: str, entries, steps:
             for n, p in model.named_parameters():
                 if n in ref["dense"]["optim"]:
                     opt.state[p] = copy.deepcopy(ref["dense"]["optim"][n])
-            load_expert_shards(model, directory, entries, optimizer=opt, engine=engine)
+            share = (rank, world) if tier == "dynamic" else None
+            load_expert_shards(model, directory, entries, optimizer=opt, engine=engine,
+                               share=share)
+            if share is not None:
+                dist.barrier()            # every block written before anyone reads
             got = snapshot(model, opt, engine)
             assert got, "nothing held"
             for k, d in got.items():
@@ -184,6 +213,6 @@ def load_and_check(rank: int, world: int, tiers, directory: str, entries, steps:
         finally:
             if engine is not None:
                 engine.close()
-        if groups is not None:
+        if world > 1:
             dist.barrier()
     return losses

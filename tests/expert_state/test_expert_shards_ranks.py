@@ -1,7 +1,8 @@
 """Sharded expert checkpoints on real gloo ranks: saved by 2 expert-parallel ranks (each its
 own experts, resident with AdamW state in the torch optimizer, or offloaded to a host or disk
 store), loaded by 1 process and by 2 ranks (and a single-process save by 2 ranks), into the
-same or another residency. Every held expert's master, moments and step equal the consolidated
+same or another residency; and the dynamic-placement store shared by 2 ranks (each saves and
+loads its block of every layer). Every held expert's master, moments and step equal the consolidated
 reference exactly (the ranks' states gathered; for resident EP also checked against
 `full_state_dict`), and the step after the resume has the uninterrupted run's loss."""
 
@@ -61,3 +62,12 @@ def test_disk_tier_shards_resume_at_one_and_two_ranks(tmp_path):
 def test_host_tier_shards_resume_in_one_process(tmp_path):
     entries, after = _save(2, "host", str(tmp_path))
     _load(1, ["host", None], str(tmp_path), entries, after)
+
+
+@pytest.mark.timeout(150)
+def test_dynamic_store_shards_resume_in_one_process_and_on_two_ranks(tmp_path):
+    entries, after = _save(2, "dynamic", str(tmp_path))
+    assert [sorted(e["experts"].values()) for e in entries] == \
+        [[[[0, 2]], [[0, 2]]], [[[2, 4]], [[2, 4]]]]          # each rank its block
+    _load(1, [None, "host"], str(tmp_path), entries, after)
+    _load(2, ["dynamic", None], str(tmp_path), entries, after)
