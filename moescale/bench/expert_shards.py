@@ -257,7 +257,8 @@ def main(argv=None) -> int:
     out = Path(args.out or f"benchmarks/results/expert_shards_{tag}.json")
     write_json(out, dict(
         benchmark="expert-shards", hardware=tag, cpu_flags=disk_probe.cpu_flags(),
-        config=conf, work_filesystem=_filesystem(work), checkpoint_state_bytes=12 * params, record_bytes=16 * params,
+        config=conf, work_filesystem=_filesystem(work), checkpoint_state_bytes=12 * params,
+        record_bytes=16 * params,
         phases=phases, adopted=[r.value["result"] for r in one + two],
         loaded_steps=[r.value["steps"] for r in one + two],
         targets=dict(peak_below_share=ok)))
