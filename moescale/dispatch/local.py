@@ -1,8 +1,9 @@
 """Local dispatch: gather rows by expert, run the experts on this process, combine.
 
-This is the single-process seam that the expert-parallel and offloading dispatchers replace.
-Grouped experts take the fused path (gather, GEMMs and combine in one autograd Function); any
-other experts get rows through `index_select` and return them through a weighted `index_add`.
+This is the single-process exchange that the expert-parallel dispatchers replace. Containers
+declaring ROUTED (moescale.layers.protocol: stacked and offloaded experts) take their fused path
+(gather, experts and combine in one autograd Function); any other container gets rows through
+`index_select` and returns them through a weighted `index_add`.
 No dense [T, E, C] mask anywhere.
 
 Legend: T tokens, R rows (kept routing choices, grouped by expert), D model width.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from moescale.dispatch.plan import RoutingPlan
+from moescale.layers.protocol import ROUTED, capabilities_of
 
 
 def gather_rows(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -31,7 +33,7 @@ class LocalDispatcher:
     """All experts live here; statistics need no reduction."""
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
-        if hasattr(experts, "forward_routed"):
+        if ROUTED in capabilities_of(experts):
             return experts.forward_routed(x_TD, plan)
         y_RD = experts.forward_rows(gather_rows(x_TD, plan), plan.counts)
         return combine_rows(y_RD, plan)

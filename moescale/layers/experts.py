@@ -1,8 +1,10 @@
 """Expert containers: stacked FFN/GLU experts, or any list of nn.Modules.
 
-Both containers speak the same seam: `forward_rows(x_RD, counts)` maps rows grouped by expert
-(`counts[e]` consecutive rows for expert e) to outputs in the same order. `GroupedExperts` also
-offers `forward_routed(x_TD, plan)`, which fuses gather, experts and combine for the local case.
+Both are expert containers (moescale.layers.protocol): `forward_rows(x_RD, counts)` maps rows
+grouped by expert (`counts[e]` consecutive rows for expert e) to outputs in the same order.
+`GroupedExperts` declares ROUTED (`forward_routed(x_TD, plan)` fuses gather, experts and
+combine for the local case), GROUPED_WEIGHTS (`weights(dtype)`: the pipelined all-to-all runs
+the grouped kernels on them) and FFN_SHAPE; `ModuleExperts` declares nothing beyond the seam.
 `expert_forward(e, x)` runs one expert with plain autograd ops: the reference oracle uses it.
 
 Legend: R rows, T tokens, D model width, F expert hidden width, E experts.
@@ -20,6 +22,7 @@ from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.activations import Activation
 from moescale.layers.grouped_ffn import FFNWeights
 from moescale.layers.grouped_ffn_autograd import GroupedFFNRouted, GroupedFFNRows
+from moescale.layers.protocol import FFN_SHAPE, GROUPED_WEIGHTS, ROUTED
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -34,6 +37,8 @@ class GroupedExperts(nn.Module):
 
     Plain: y = act(x W1 + b1) W2 + b2. GLU (Llama/Mixtral style): y = (act(x W1) * (x W3)) W2.
     """
+
+    capabilities = frozenset({ROUTED, GROUPED_WEIGHTS, FFN_SHAPE})
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *,
                  activation: str | Callable = "gelu", glu: bool = False, bias: bool = False,
@@ -92,6 +97,14 @@ class GroupedExperts(nn.Module):
         """nn.Linear's default init, per expert."""
         self.init_(None)
 
+    @property
+    def expert_ids(self) -> range:
+        return range(self.num_experts)
+
+    @property
+    def bias(self) -> bool:
+        return self.b1_EF is not None
+
     def weights(self, dtype: torch.dtype | None = None) -> FFNWeights:
         """The stacked weights, cast (differentiably) to the compute dtype."""
         def cast(p):
@@ -136,6 +149,8 @@ class ModuleExperts(nn.Module):
     Heterogeneous lists are fine; the experts run one after another on their rows.
     """
 
+    capabilities: frozenset[str] = frozenset()
+
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         super().__init__()
         modules = list(modules)
@@ -147,6 +162,10 @@ class ModuleExperts(nn.Module):
                                  "pass modules or a factory returning modules")
         self.experts = nn.ModuleList(modules)
         self.num_experts = len(modules)
+
+    @property
+    def expert_ids(self) -> range:
+        return range(self.num_experts)
 
     def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         outputs, start = [], 0

@@ -5,9 +5,11 @@ the layer holds `last_aux_loss` (the weighted balance + z losses of that call, p
 autograd graph) and `last_stats` (detached numbers for logging); `collect_aux_loss(model)`
 sums the former over a model. Nothing is kept in module-level state.
 
-The dispatcher is a seam: `LocalDispatcher` runs every expert here; the expert-parallel,
-offloading and dynamic-placement dispatchers plug into the same place without changing the
-layer's math.
+Two seams: the dispatcher owns the exchange (`LocalDispatcher` here; the expert-parallel,
+pipelined and dynamic-placement dispatchers plug into the same place without changing the
+layer's math), the expert container owns the residency (resident, offloaded, shared store) and
+computes rows in expert order (moescale.layers.protocol). Any dispatcher composes with any
+container that offers what it asks for.
 
 Legend: T tokens, D model width, E experts, K experts per token.
 """
@@ -23,6 +25,7 @@ from torch import nn
 from moescale.dispatch.local import LocalDispatcher
 from moescale.dispatch.plan import build_plan
 from moescale.layers.experts import GroupedExperts, ModuleExperts
+from moescale.layers.protocol import ExpertContainer
 from moescale.routing.config import RouterConfig, expert_capacity
 from moescale.routing.losses import balance_loss, z_loss
 from moescale.routing.routers import Router
@@ -87,7 +90,7 @@ def _build_experts(cfg: MoEConfig, experts, activation, device, dtype):
         return GroupedExperts(cfg.num_experts, cfg.d_model, cfg.d_ff,
                               activation=activation if activation is not None else cfg.activation,
                               glu=cfg.glu, bias=cfg.bias, device=device, dtype=dtype)
-    if isinstance(experts, nn.Module) and hasattr(experts, "forward_rows"):
+    if isinstance(experts, nn.Module) and isinstance(experts, ExpertContainer):
         built = experts
     elif isinstance(experts, (list, tuple, nn.ModuleList)):
         built = ModuleExperts(experts)
@@ -115,7 +118,8 @@ class MoE(nn.Module):
 
     `experts`: None (stacked FFN/GLU experts built from d_ff/activation/glu/bias), a list of
     nn.Modules (any module mapping [N, d_model] -> [N, d_model]; lists may be heterogeneous;
-    num_experts defaults to its length), or a factory `factory(e) -> nn.Module`.
+    num_experts defaults to its length), a factory `factory(e) -> nn.Module`, or an expert
+    container (moescale.layers.protocol.ExpertContainer).
     `expert_device="meta"` builds stacked experts without memory (to be offloaded with
     `offload_moe(..., expert_init=...)`); the router stays on `device`.
     """

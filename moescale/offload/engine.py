@@ -19,10 +19,11 @@ device cache, and is the handle of the training loop:
 `engine.step()` steps the experts that have not stepped yet (all of them in deferred mode)
 on the host worker and returns at once; per-expert fences keep the next forward correct.
 
-Expert-parallel layers (`ExpertShard` experts from moescale.parallel, static dispatcher) are
-offloaded too: the store holds this rank's local experts only (store expert l is global expert
-`expert_ids.start + l`), so each rank of an EP group streams its own shard (docs/offloading.md,
-"Offloading with expert parallelism").
+Expert-parallel layers (`ExpertShard` experts, moescale.layers.shard) are offloaded too,
+behind the static or the pipelined exchange: the store holds this rank's local experts only
+(store expert l is global expert `expert_ids.start + l`), so each rank of an EP group streams
+its own shard (docs/offloading.md, "Offloading with expert parallelism"). Nothing here knows
+the exchange: the dispatchers call the containers through moescale.layers.protocol.
 
 `OffloadConfig(tier="auto", tokens_per_micro_batch=..., device_budget_bytes=...)` lets the
 planner pick the mode (auto.py); `engine.plan` then holds its estimates and pick.
@@ -42,6 +43,7 @@ from torch import nn
 from moescale.devices import SimulatedDevice, make_device
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
+from moescale.layers.shard import ExpertShard
 from moescale.offload.auto import resolve_auto
 from moescale.offload.cache import DeviceCache
 from moescale.offload.checkpoint import load_store, save_store
@@ -184,30 +186,51 @@ class OffloadEngine:
     def forward_order(self, layer: int, counts, traced: bool) -> list[int]:
         """The forward's expert order (experts with rows, pinned first); a traced forward
         (one that will have a backward) is remembered for the backward's schedule."""
-        order = [e for e, n in enumerate(counts) if n]
-        order.sort(key=lambda e: not self.cache.is_resident((layer, e)))  # pinned first
+        return self.chunk_orders(layer, [counts], traced)[0]
+
+    def chunk_orders(self, layer: int, chunk_counts, traced: bool) -> list[list[int]]:
+        """forward_order of a call cut into chunks (a pipelined exchange runs chunk k's rows
+        of every expert, k = 0..C-1): each chunk's order; the trace and the disk tier's
+        schedule see the chunks one after another."""
+        orders = []
+        for counts in chunk_counts:
+            order = [e for e, n in enumerate(counts) if n]
+            order.sort(key=lambda e: not self.cache.is_resident((layer, e)))  # pinned first
+            orders.append(order)
+        flat = [e for order in orders for e in order]
         if traced:
-            self._trace.append((layer, order))
-        self.cache.observe(layer, counts)
+            self._trace.append((layer, flat))
+        self.cache.observe(layer, [sum(col) for col in zip(*chunk_counts)])
         if self.store.config.tier == "disk":   # masters now, whole records in backward
-            self.store.set_upcoming([((layer, e), M) for e in order] + self._backward_keys(),
+            self.store.set_upcoming([((layer, e), M) for e in flat] + self._backward_keys(),
                                     keep=self.optimizer.pending)
-        return order
+        return orders
 
     def backward_order(self, layer: int, forward_order: list[int], last: bool) -> list[int]:
+        return self.chunk_backward_orders(layer, [forward_order], last, {})[0]
+
+    def chunk_backward_orders(self, layer: int, orders: list[list[int]], last: bool,
+                              last_chunk: dict[int, int]) -> list[list[int]]:
+        """The backward's order per chunk (chunks in the given order; within one, pinned
+        experts first, then the others in reverse). last_chunk[e]: the chunk whose backward
+        steps expert e in eager mode (default: every chunk, i.e. the only one)."""
         for i in range(len(self._trace) - 1, -1, -1):
             if self._trace[i][0] == layer:
                 del self._trace[i]
                 break
-        pinned = [e for e in forward_order if self.cache.is_resident((layer, e))]
-        order = pinned + [e for e in reversed(forward_order) if e not in pinned]
+        out = []
+        for order in orders:
+            pinned = [e for e in order if self.cache.is_resident((layer, e))]
+            out.append(pinned + [e for e in reversed(order) if e not in pinned])
         if self.store.config.tier == "disk":
             # each expert: its upload, its gradient accumulation (and its eager step); uses
             # by gradient work still queued on the optimizer stay in front
-            uses = 3 if last and self.config.step_mode == "eager" else 2
-            self.store.set_upcoming([((layer, e), ALL) for e in order for _ in range(uses)] +
-                                    self._backward_keys(), keep=self.optimizer.pending)
-        return order
+            eager = last and self.config.step_mode == "eager"
+            self.store.set_upcoming(
+                [((layer, e), ALL) for k, order in enumerate(out) for e in order
+                 for _ in range(3 if eager and last_chunk.get(e, k) == k else 2)] +
+                self._backward_keys(), keep=self.optimizer.pending)
+        return out
 
     def _backward_keys(self) -> list[tuple[Key, int]]:
         return [((layer, e), ALL) for layer, order in reversed(self._trace)
@@ -379,20 +402,12 @@ def _disk_bytes(moe: MoE, shard) -> int:
     return 4 * align_up(4 * numel) * num
 
 
-def _expert_shard(moe: MoE):
-    """The layer's ExpertShard when it is expert-parallel (static dispatcher only), else None.
+def _expert_shard(moe: MoE) -> ExpertShard | None:
+    """The layer's ExpertShard when it is expert-parallel, else None.
 
     The store then holds this rank's L local experts (store expert l = global expert
-    shard.expert_ids.start + l); the static dispatcher calls their forward_rows, and its
-    all-to-all backward scales the gradient (x 1/W in, x W out), so expert gradients reach the
-    store at the mean scale with no parameter involved."""
-    from moescale.parallel.expert_parallel import ExpertParallelDispatcher, ExpertShard
-
-    if not isinstance(moe.experts, ExpertShard):
-        return None
-    if type(moe.dispatcher) is not ExpertParallelDispatcher:
-        raise ValueError(f"offload_moe on an expert-parallel layer needs the static "
-                         f"ExpertParallelDispatcher, not {type(moe.dispatcher).__name__}: the "
-                         "pipelined all-to-all runs the experts' weights itself and cannot "
-                         "stream them from a store; use chunks=1 and reuse='none'")
-    return moe.experts
+    shard.expert_ids.start + l). Any exchange that calls the container works behind it: the
+    static dispatcher calls forward_rows, the pipelined one chunk_runner (CHUNKED), and both
+    scale the gradient (x 1/W in, x W out), so expert gradients reach the store at the mean
+    scale with no parameter involved."""
+    return moe.experts if isinstance(moe.experts, ExpertShard) else None

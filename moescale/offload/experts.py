@@ -14,9 +14,11 @@ Experts with no rows are never uploaded. The weights are not autograd inputs: th
 leaves through the store. A zero-size `anchor` input that requires grad makes backward run
 even when neither x nor the scores need a gradient.
 
-Two entry points, as the expert seam asks: `forward_routed(x_TD, plan)` (gather, experts,
-score-weighted combine fused) and `forward_rows(x_RD, counts)` (rows already grouped, for
-all-to-all dispatchers).
+The containers are expert containers (moescale.layers.protocol) declaring ROUTED
+(`forward_routed(x_TD, plan)`: gather, experts, score-weighted combine fused), STREAMED
+(gradients leave through the store) and CHUNKED (`chunk_runner(...)`: a pipelined exchange
+drives them chunk by chunk, chunked.py); `forward_rows(x_RD, counts)` takes rows already
+grouped (the all-to-all dispatchers). Grouped ones add FFN_SHAPE (the pipeline's cost model).
 
 The per-expert math is the container's: `OffloadedGroupedExperts` here (the grouped kernels on a
 single-expert weight slice), `OffloadedModuleExperts` in module_experts.py (functional_call).
@@ -38,6 +40,8 @@ from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.activations import Activation
 from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward, mm_into
+from moescale.layers.protocol import CHUNKED, FFN_SHAPE, ROUTED, STREAMED
+from moescale.offload.chunked import StreamedChunkRunner, row_starts
 
 POLICIES = ("keep", "recompute", "offload")
 PARAM_NAMES = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")
@@ -48,14 +52,6 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
 
 
-def _starts(counts: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for n in counts:
-        out.append(acc)
-        acc += n
-    return out
-
-
 class OffloadedExpertsFn(torch.autograd.Function):
     """y = experts(x) with weights streamed from the store; see the module docstring."""
 
@@ -63,7 +59,7 @@ class OffloadedExpertsFn(torch.autograd.Function):
     def forward(ctx, anchor, x, scores_R, token_idx_R, layer: "OffloadedExpertsBase",
                 counts: tuple, order: list):
         engine, routed = layer.engine, token_idx_R is not None
-        starts = _starts(counts)
+        starts = row_starts(counts)
         policy = engine.config.activation_policy
         if routed:  # the combine accumulates in fp32 and rounds once
             y = x.new_zeros(x.shape[0], layer.d_model, dtype=_acc_dtype(x))
@@ -102,7 +98,7 @@ class OffloadedExpertsFn(torch.autograd.Function):
         if need_dx:
             dx = torch.zeros_like(x, dtype=_acc_dtype(x)) if routed else torch.empty_like(x)
         ds_R = torch.zeros_like(scores_R) if need_ds else None
-        starts = _starts(counts)
+        starts = row_starts(counts)
         order = engine.backward_order(layer.layer_index, ctx.order, ctx.last_micro_batch)
         grad_bytes = layer.layout.numel * x.element_size()
         with torch.autocast(x.device.type, enabled=False):
@@ -143,6 +139,8 @@ class OffloadedExpertsBase(nn.Module):
     math for expert e: run_expert(e, x_ND, w_P, keep_hidden) -> (y_ND, hidden or None) and
     run_expert_backward(e, gy_ND, x_ND, w_P, hidden, scale_N, need_dx) -> (dx, grads, ds)."""
 
+    capabilities = frozenset({ROUTED, CHUNKED, STREAMED})
+
     def __init__(self, engine, layer_index: int, num_experts: int, d_model: int,
                  layout) -> None:
         super().__init__()
@@ -158,7 +156,12 @@ class OffloadedExpertsBase(nn.Module):
                              f"{dtype}) or feed {self.engine.cache.dtype}")
         return x.to(dtype).contiguous()
 
-    def _anchor(self):
+    @property
+    def expert_ids(self) -> range:
+        return range(self.num_experts)
+
+    def anchor_for_grad_mode(self) -> torch.Tensor:
+        """The zero-size input that makes backward run (detached when grad is off)."""
         return self.anchor if torch.is_grad_enabled() else self.anchor.detach()
 
     def _run(self, x, scores_R, token_idx_R, counts) -> torch.Tensor:
@@ -167,7 +170,7 @@ class OffloadedExpertsBase(nn.Module):
         # Function.forward): only a forward that will have a backward is traced
         order = self.engine.forward_order(self.layer_index, counts,
                                           traced=torch.is_grad_enabled())
-        return OffloadedExpertsFn.apply(self._anchor(), self._input(x), scores_R, token_idx_R,
+        return OffloadedExpertsFn.apply(self.anchor_for_grad_mode(), self._input(x), scores_R, token_idx_R,
                                         self, counts, order)
 
     def forward_routed(self, x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -175,6 +178,14 @@ class OffloadedExpertsBase(nn.Module):
 
     def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         return self._run(x_RD, None, None, counts)
+
+    def chunk_runner(self, chunk_counts: Sequence[Sequence[int]], grad_scale: float,
+                     x_like: torch.Tensor) -> StreamedChunkRunner:
+        """The experts of one pipelined call, chunk by chunk (CHUNKED; chunked.py). Call it
+        where grad mode is the caller's: only a call that will have a backward is traced."""
+        self._input(x_like[:0])
+        return StreamedChunkRunner(self, chunk_counts, grad_scale,
+                                   traced=torch.is_grad_enabled())
 
     def master(self, e: int) -> torch.Tensor:
         """A copy of expert e's flat fp32 master."""
@@ -194,6 +205,8 @@ class OffloadedExpertsBase(nn.Module):
 
 class OffloadedGroupedExperts(OffloadedExpertsBase):
     """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
+
+    capabilities = OffloadedExpertsBase.capabilities | {FFN_SHAPE}
 
     def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
                  act: Activation, glu: bool, bias: bool, layout) -> None:

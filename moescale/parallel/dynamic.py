@@ -13,7 +13,8 @@ ExpertStore, see `dynamic_experts.py`; replicated `GroupedExperts` also work). P
              counts exchange is needed.
   dispatch = rows permuted into (destination, shard) order, uneven all-to-all
   experts  = received (source, shard) blocks reordered to (shard, source): the rows of each
-             expert are contiguous, in ascending expert order -> experts.forward_rows
+             expert are contiguous, in ascending expert order -> experts.forward_rows, or
+             forward_placed for a container declaring PLACED (moescale.layers.protocol)
   combine  = inverse reorder, all-to-all back, inverse permutation, score-weighted index_add
 
 The row permutation follows the placement, whatever it is (tested under random placements:
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.experts import compute_dtype
+from moescale.layers.protocol import PLACED, STREAMED, capabilities_of
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, collective_errors
 from moescale.parallel.expert_parallel import inverse_permutation, segments_index
 from moescale.parallel.placement import Placement, PlacementConfig, plan_placement
@@ -281,11 +283,18 @@ class DynamicPlacementDispatcher:
         if len(plan.counts) != self.num_experts:
             raise ValueError(f"the routing plan has {len(plan.counts)} experts but the "
                              f"dispatcher was built for num_experts={self.num_experts}")
-        held = getattr(experts, "num_experts", None)
-        if held != self.num_experts or hasattr(experts, "expert_ids"):
+        caps = capabilities_of(experts)
+        held = len(experts.expert_ids)
+        if held != self.num_experts:
             raise ValueError(f"dynamic placement needs every expert on every rank (a shared "
                              f"store or replicated experts); the layer's experts hold {held} "
                              f"of {self.num_experts}")
+        if STREAMED in caps and PLACED not in caps:
+            raise ValueError(f"dynamic placement over {type(experts).__name__} (experts "
+                             "streamed from a per-process store) is not supported: every "
+                             "device computes partial gradients of the experts placed on it, "
+                             "and per-process stores cannot sum them; use the shared store "
+                             "(dynamic_placement_moe) or replicated GroupedExperts")
         counts_WE = self.gather_counts(plan.counts, x_TD.device)
         placement = self.place(counts_WE)
         lay = row_layout(counts_WE, placement, self.rank, x_TD.device)
@@ -296,7 +305,7 @@ class DynamicPlacementDispatcher:
         x_SD = all_to_all_rows(x_sent, lay.send_splits, lay.recv_splits, group,
                                grad_scale=float(W))
         x_local = _take(x_SD, lay.expert_perm_S)
-        if hasattr(experts, "forward_placed"):
+        if PLACED in caps:
             y_local = experts.forward_placed(x_local, lay.local_counts_E, lay.owners_E,
                                              lay.split_experts, group)
         else:

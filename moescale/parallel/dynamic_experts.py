@@ -42,6 +42,7 @@ from moescale.layers.activations import Activation
 from moescale.layers.experts import GroupedExperts, compute_dtype
 from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward
 from moescale.layers.moe import MoE
+from moescale.layers.protocol import PLACED, STREAMED
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 from moescale.parallel.all_to_all import collective_errors
 from moescale.parallel.dynamic import DynamicPlacementDispatcher
@@ -134,7 +135,12 @@ class _SharedStoreFn(torch.autograd.Function):
 
 
 class SharedStoreExperts(nn.Module):
-    """All E FFN experts of one layer, read from (and accumulating into) a shared store."""
+    """All E FFN experts of one layer, read from (and accumulating into) a shared store.
+
+    Declares PLACED (the dynamic dispatcher calls forward_placed with the placement's owners)
+    and STREAMED (no parameters: gradients go to the store)."""
+
+    capabilities = frozenset({PLACED, STREAMED})
 
     def __init__(self, store: ExpertStore, layer_index: int, d_model: int, d_ff: int,
                  activation, glu: bool, bias: bool) -> None:
@@ -148,6 +154,10 @@ class SharedStoreExperts(nn.Module):
         self.owners_E: list[int] | None = None   # owners of the last pass (who steps)
         data_E4P, _ = store.shared_state()[layer_index]
         self._data_E4P = data_E4P
+
+    @property
+    def expert_ids(self) -> range:
+        return range(self.num_experts)
 
     def weights(self) -> FFNWeights:
         """Stacked zero-copy views of the fp32 masters ([E, ...] each)."""

@@ -1,9 +1,10 @@
 """Static expert parallelism: E experts split over the W ranks of an expert-parallel group.
 
-Rank r holds experts [r*L, (r+1)*L), L = E/W, as an `ExpertShard` (a GroupedExperts or
-ModuleExperts with L experts, tagged as expert parameters); the router is replicated. The
-`ExpertParallelDispatcher` plugs into the MoE seam (`dispatcher(x_TD, plan, experts)`), so the
-layer's math is unchanged:
+Rank r holds experts [r*L, (r+1)*L), L = E/W, as an `ExpertShard` (moescale.layers.shard; any
+expert container with L experts: stacked, module, offloaded; re-exported here); the router is
+replicated. The `ExpertParallelDispatcher` plugs into the MoE seam (`dispatcher(x_TD, plan,
+experts)`) and calls the shard's `forward_rows` (moescale.layers.protocol), so the layer's
+math is unchanged and any residency works behind it:
 
   plan rows grouped by global expert = grouped by (owner rank p, local expert l)
   send splits  = per-owner sums of plan.counts            (host ints, no sync)
@@ -32,7 +33,6 @@ E experts in total, W ranks of the EP group, L = E / W experts per rank.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -41,22 +41,16 @@ from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.experts import GroupedExperts, ModuleExperts, compute_dtype
 from moescale.layers.moe import MoE, MoEConfig
+from moescale.layers.protocol import capabilities_of
+from moescale.layers.shard import (EXPERT_ATTR, ExpertShard, is_expert_parameter,
+                                   mark_expert_parameters)
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, exchange_counts
 from moescale.parallel.groups import ParallelGroups
 
-EXPERT_ATTR = "moescale_expert"   # set to True on parameters that are sharded experts
-
-
-def mark_expert_parameters(module: nn.Module) -> nn.Module:
-    """Tag every parameter of `module` as an expert parameter (DDP/FSDP must skip them)."""
-    for p in module.parameters():
-        setattr(p, EXPERT_ATTR, True)
-    return module
-
-
-def is_expert_parameter(p: torch.Tensor) -> bool:
-    return bool(getattr(p, EXPERT_ATTR, False))
-
+__all__ = ["EXPERT_ATTR", "ExpertParallelDispatcher", "ExpertShard", "expert_major_order",
+           "expert_parallel_model", "expert_parallel_moe", "expert_parallel_split",
+           "inverse_permutation", "is_expert_parameter", "mark_expert_parameters",
+           "segments_index", "shard_experts", "shard_moe"]
 
 def expert_parallel_split(num_experts: int, ep_size: int, ep_rank: int) -> range:
     """The global expert ids held by `ep_rank`."""
@@ -65,37 +59,6 @@ def expert_parallel_split(num_experts: int, ep_size: int, ep_rank: int) -> range
                          f"expert-parallel size {ep_size}; use num_experts = k * {ep_size}")
     local = num_experts // ep_size
     return range(ep_rank * local, (ep_rank + 1) * local)
-
-
-class ExpertShard(nn.Module):
-    """The L experts this rank owns out of E: `local` is a GroupedExperts/ModuleExperts.
-
-    `num_experts` is the layer's total E (so `MoE` accepts it); `expert_ids` the global ids held.
-    """
-
-    def __init__(self, local: nn.Module, num_experts: int, expert_ids: range) -> None:
-        super().__init__()
-        if getattr(local, "num_experts", None) != len(expert_ids):
-            raise ValueError(f"the local experts hold {getattr(local, 'num_experts', '?')} "
-                             f"experts but this rank owns {len(expert_ids)} ({expert_ids})")
-        self.local = mark_expert_parameters(local)
-        self.num_experts = num_experts
-        self.expert_ids = expert_ids
-
-    @property
-    def num_local_experts(self) -> int:
-        return len(self.expert_ids)
-
-    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        assert len(counts) == self.num_local_experts, (len(counts), self.expert_ids)
-        return self.local.forward_rows(x_RD, counts)
-
-    def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
-        """Global expert e (must be held here)."""
-        return self.local.expert_forward(e - self.expert_ids.start, x_ND)
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, holds={self.expert_ids}"
 
 
 def segments_index(segments: list[tuple[int, int]], total: int, device) -> torch.Tensor | None:
@@ -167,7 +130,8 @@ class ExpertParallelDispatcher:
         return send_WL, recv_WL
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
-        held = getattr(experts, "num_local_experts", getattr(experts, "num_experts", None))
+        capabilities_of(experts)
+        held = len(experts.expert_ids)
         if held != self.num_local:
             raise ValueError(f"the layer's experts hold {held} experts on this rank but expert "
                              f"parallelism over {self.groups.ep_size} ranks puts "

@@ -7,7 +7,7 @@ The pieces live beside it:
   pipeline_layout.py    chunk cuts inside every (peer, expert) bin, `PipelineSpec`
   pipeline_schedule.py  the chunk schedule of both directions, receive slots, combine fused in
   pipeline_grouped.py   `PipelinedAllToAll` over grouped FFN/GLU experts (strategies none, S1-S4)
-  pipeline_modules.py   `PipelinedModuleAllToAll` over any expert modules (none, S2, S4)
+  pipeline_modules.py   `PipelinedRowsAllToAll` over any expert container (none, S2, S4)
   cost_model.py         per-rank peak memory and step time per strategy; `choose_strategy`
   tuner.py              the online chunk-count tuner
 
@@ -29,8 +29,10 @@ import torch
 
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.expert_threads import num_expert_workers
-from moescale.layers.experts import GroupedExperts, compute_dtype
+from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import work_dtype
+from moescale.layers.protocol import (CHUNKED, FFN_SHAPE, GROUPED_WEIGHTS, SHARD,
+                                      AutogradChunkRunner, capabilities_of)
 from moescale.parallel.all_to_all import exchange_counts
 from moescale.parallel.cost_model import STRATEGIES, LayerShape, Rates, choose_strategy, \
     measure_rates
@@ -40,6 +42,8 @@ from moescale.parallel.groups import ParallelGroups
 from moescale.parallel.pipeline_grouped import PipelinedAllToAll, run_grouped_pipeline
 from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec, chunk_layouts
 from moescale.parallel.pipeline_schedule import elapsed, mark
+from moescale.parallel.pipeline_modules import (MODULE_STRATEGIES, PipelinedRowsAllToAll,
+                                                check_rows_strategy)
 from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
 
 __all__ = ["ChunkLayout", "PipelineSpec", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher",
@@ -50,8 +54,13 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
     """Static EP through `PipelinedAllToAll` with `num_chunks` chunks (an int, or "auto" for the
     online tuner) and reuse `strategy`.
 
-    Grouped experts run the grouped FFN kernels per chunk (all strategies); other expert modules
-    go through `PipelinedModuleAllToAll` (strategies none, S2, S4). The counts exchange also
+    The shard's container is chosen by capability (moescale.layers.protocol): GROUPED_WEIGHTS
+    (resident stacked experts) runs the grouped FFN kernels per chunk (all strategies); any
+    other container goes through `PipelinedRowsAllToAll` (strategies none, S2, S4), run by its
+    own ChunkRunner when it declares CHUNKED (offloaded experts: uploads overlapped across the
+    chunks, eager steps after an expert's last chunk) or by `AutogradChunkRunner`.
+
+    The counts exchange also
     carries each rank's row and token counts and its last measured forward+backward time, so
     the tuner and the cost model see the same numbers on every rank.
 
@@ -83,23 +92,25 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         # (bucket, chunks) of the last calls (bounded: a long run makes millions of calls)
         self.history: deque[tuple[int, int]] = deque(maxlen=4096)
 
-    def layer_shape(self, max_tokens: int, max_rows: int, local: GroupedExperts,
+    def layer_shape(self, max_tokens: int, max_rows: int, local,
                     x_TD: torch.Tensor) -> LayerShape:
         """The call as the cost model sees it, identical on every rank: the group's largest
-        token and row counts (a rank receives about what it sends under balanced routing)."""
+        token and row counts (a rank receives about what it sends under balanced routing).
+        `local` declares FFN_SHAPE (d_model, d_ff, glu, bias)."""
         workers = num_expert_workers(x_TD.device, [1] * local.num_experts)
         return LayerShape(rows=max_rows, rows_sent=max_rows, tokens=max_tokens,
                           d_model=local.d_model, d_ff=local.d_ff, glu=local.glu,
-                          bias=local.b1_EF is not None, elem_bytes=x_TD.element_size(),
+                          bias=local.bias, elem_bytes=x_TD.element_size(),
                           work_bytes=torch.empty((), dtype=work_dtype(x_TD)).element_size(),
                           ep_size=self.groups.ep_size, num_local_experts=self.num_local,
                           host_is_device=x_TD.device.type == "cpu", workers=max(1, workers))
 
-    def strategy_for(self, max_tokens: int, max_rows: int, chunks: int, local: GroupedExperts,
+    def strategy_for(self, max_tokens: int, max_rows: int, chunks: int, local,
                      x_TD: torch.Tensor) -> tuple[str, list[dict] | None]:
         """The reuse strategy of this call and the cost model's table (None when fixed): the
         strategy given, or the cost model's pick, "unpipelined" included (identical on every
-        rank: measured rates are maxed over the group, the shape is the group's largest)."""
+        rank: measured rates are maxed over the group, the shape is the group's largest),
+        among the strategies the container supports (none/S2/S4 without GROUPED_WEIGHTS)."""
         if self.strategy != "auto":
             return self.strategy, None
         if self.rates is None:
@@ -108,23 +119,28 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
                                        dtype=x_TD.dtype)
         shape = self.layer_shape(max_tokens, max_rows, local, x_TD)
         peaks = None if self.peaks is None else self.peaks.get(chunks)
-        return choose_strategy(shape, self.rates, chunks, self.memory_limit_bytes, peaks=peaks)
+        candidates = STRATEGY_NAMES if GROUPED_WEIGHTS in local.capabilities else \
+            MODULE_STRATEGIES
+        return choose_strategy(shape, self.rates, chunks, self.memory_limit_bytes,
+                               candidates=candidates, peaks=peaks)
 
     def chunks_for(self, bucket: int, max_tokens: int, max_rows: int, local,
                    x_TD: torch.Tensor) -> int:
         """The chunk count of this call: the one given, or the tuner's pick among the counts
         at which some strategy (the given one, or any and the unpipelined dispatcher for
         "auto") fits `memory_limit_bytes` (`chunks_that_fit`: more chunks than the tuner's
-        candidates when none of them fits). Module experts: no FFN shape, the limit is not
-        applied."""
+        candidates when none of them fits), among the strategies the container supports.
+        Containers without FFN_SHAPE (module experts): the limit is not applied."""
         if self.tuner is None:
             return self.num_chunks
-        if self.memory_limit_bytes is None or not isinstance(local, GroupedExperts):
+        if self.memory_limit_bytes is None or FFN_SHAPE not in local.capabilities:
             return self.tuner.choose(bucket)
         auto = self.strategy == "auto"
+        supported = STRATEGY_NAMES if GROUPED_WEIGHTS in local.capabilities else \
+            MODULE_STRATEGIES
         allowed = chunks_that_fit(self.layer_shape(max_tokens, max_rows, local, x_TD),
                                   self.memory_limit_bytes, self.tuner.config.candidates,
-                                  STRATEGY_NAMES if auto else (self.strategy,), plain=auto,
+                                  supported if auto else (self.strategy,), plain=auto,
                                   peaks=self.peaks)
         return self.tuner.choose(bucket, allowed)
 
@@ -161,17 +177,20 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         return [row[:L] for row in send], [row[:L] for row in recv], max_rows, max_tokens
 
     def __call__(self, x_TD: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
-        local = getattr(experts, "local", None)
-        if not hasattr(local, "forward_rows"):
+        if SHARD not in capabilities_of(experts):
             raise ValueError("the pipelined expert-parallel dispatcher needs an ExpertShard "
                              f"(see shard_moe / expert_parallel_moe), got {type(experts).__name__}")
         if experts.num_local_experts != self.num_local:
             raise ValueError(f"the layer's experts hold {experts.num_local_experts} experts on "
                              f"this rank but the dispatcher expects {self.num_local}")
-        grouped = isinstance(local, GroupedExperts)
-        if not grouped and self.strategy == "auto":
-            raise ValueError("strategy='auto' needs grouped experts (the cost model reads their "
-                             "FFN shape); give module experts strategy none, S2 or S4")
+        local, caps = experts.local, experts.capabilities
+        grouped = GROUPED_WEIGHTS in caps
+        if self.strategy == "auto" and FFN_SHAPE not in caps:
+            raise ValueError("strategy='auto' needs FFN-shaped experts (the cost model reads "
+                             f"d_model, d_ff, glu, bias; {type(local).__name__} has no FFN "
+                             "shape); give these experts strategy none, S2 or S4")
+        if not grouped and self.strategy != "auto":
+            check_rows_strategy(self.strategy)
         start = mark(x_TD)
         send_WL, recv_WL, max_rows, max_tokens = self._exchange(plan, x_TD.device)
         bucket = bucket_of(max_rows)
@@ -189,9 +208,11 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         if grouped:
             y_TD = run_grouped_pipeline(x_TD, plan.scores_R, spec, local)
         else:
-            from moescale.parallel.pipeline_modules import PipelinedModuleAllToAll
-            y_TD = PipelinedModuleAllToAll.apply(x_TD.contiguous(), plan.scores_R, spec, local,
-                                                 *local.parameters())
+            counts = [lay.local_counts for lay in spec.layouts]
+            runner = local.chunk_runner(counts, spec.grad_scale, x_TD) if CHUNKED in caps \
+                else AutogradChunkRunner(local, counts, spec.grad_scale, x_TD)
+            y_TD = PipelinedRowsAllToAll.apply(x_TD.contiguous(), plan.scores_R, spec, runner,
+                                               *runner.autograd_inputs())
         spec.stats["forward_marks"] = (start, mark(x_TD))
         return y_TD
 

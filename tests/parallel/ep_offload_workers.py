@@ -61,20 +61,26 @@ def check_offloaded_shards(rank: int, world: int, cases: list[dict], tier: str, 
     return done
 
 
-def refuse_pipelined_and_auto(rank: int, world: int):
+def refusals(rank: int, world: int):
+    """The errors of what offloaded shards cannot do: the planner's tier='auto' (it plans one
+    process's experts) and the pipelined strategies that offload the hidden activation."""
     groups = build_groups(ParallelConfig(backend="gloo", timeout_s=20))
     case = dict(name="refusals", E=2 * world, top_k=2)
     messages = []
-    moe = shard_moe(_full_moe(case), groups,
-                    PipelinedExpertParallelDispatcher(groups, case["E"], num_chunks=2))
-    try:
-        offload_moe(moe, OffloadConfig(tier="host", device_budget_experts=2))
-    except ValueError as err:
-        messages.append(str(err))
     try:
         offload_moe(shard_moe(_full_moe(case), groups),
                     OffloadConfig(tier="auto", tokens_per_micro_batch=16,
                                   device_budget_bytes=1 << 20))
     except ValueError as err:
         messages.append(str(err))
+    moe = shard_moe(_full_moe(case), groups,
+                    PipelinedExpertParallelDispatcher(groups, case["E"], num_chunks=2,
+                                                      strategy="S1"))
+    engine = offload_moe(moe, OffloadConfig(tier="host", device_budget_experts=2))
+    try:
+        moe(torch.randn(5, 8))
+    except ValueError as err:
+        messages.append(str(err))
+    finally:
+        engine.close()
     return messages

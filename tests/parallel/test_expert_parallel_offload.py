@@ -3,7 +3,9 @@ only this rank's experts in its store and still equals the single-process refere
 gloo ranks: outputs, input and router gradients, every expert's gradient as accumulated in the
 owning rank's store (local expert l of rank r = global expert r*L + l), and the global norm with
 the expert part summed over the EP group; the simulated device stays within its budget. Host
-and disk tiers. The pipelined dispatcher and tier='auto' are refused with a ValueError."""
+and disk tiers. tier='auto' and the pipelined strategies that offload the hidden (S1, S3) are
+refused with a ValueError; the pipelined dispatcher itself serves offloaded shards
+(tests/parallel/test_pipelined_offload.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from moescale.parallel.launch import run_local
 
-from ep_offload_workers import check_offloaded_shards, refuse_pipelined_and_auto
+from ep_offload_workers import check_offloaded_shards, refusals
 
 pytestmark = pytest.mark.distributed
 
@@ -41,10 +43,9 @@ def test_offloaded_shards_match_single_process_reference(world, tier, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_pipelined_dispatcher_and_auto_tier_are_refused():
-    results = run_local(refuse_pipelined_and_auto, 2, (), timeout_s=20, deadline_s=50)
+def test_auto_tier_and_hidden_offloading_strategies_are_refused():
+    results = run_local(refusals, 2, (), timeout_s=20, deadline_s=50)
     for r in results:
-        pipelined, auto = r.value
-        assert "needs the static ExpertParallelDispatcher" in pipelined
-        assert "PipelinedExpertParallelDispatcher" in pipelined
+        auto, s1 = r.value
         assert "tier='auto' plans one process's experts" in auto
+        assert "strategy='S1' offloads the hidden activation" in s1
