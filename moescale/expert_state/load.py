@@ -14,8 +14,8 @@
    adopts a verified record file by hard link (no copy: nothing of the expert passes through
    memory); other targets read the tensors one at a time (checked again as they are read).
 
-Peak memory beyond the destination: one record buffer (disk-tier sources) and one tensor
-(safetensors sources into non-fp32 or non-CPU destinations; fp32 CPU ones are read in place).
+Peak memory beyond the destination: one aligned record buffer (disk-tier sources) and one
+tensor at a time (safetensors sources; read by pread, the file is never mapped).
 
 Not here: the dense half and the commit point (the caller's); any collective (each rank reads
 for itself; a caller whose ranks share a store barriers before anyone computes).
@@ -201,11 +201,13 @@ def _jobs(directory: str, layers: list[HeldLayer], picks, where) -> tuple[list[_
                                            f"of {layer.key!r}; the checkpoint is corrupt")
             job = _Job(layer, l, entry, info, file_path(directory, entry, info))
             numel = ExpertLayout(layer.spec).numel
-            if job.record and (info.get("stride") != align_up(4 * numel) or
-                               not isinstance(info.get("step"), (int, float))):
+            has_step = isinstance(info.get("step"), (int, float))
+            if (job.record and info.get("stride") != align_up(4 * numel)) or \
+                    ((job.record or info.get("moments")) and not has_step):
                 raise ShardCheckpointError(f"{job.where()}: the index's row stride "
-                                           f"{info.get('stride')} is not that of {numel} "
-                                           "parameters; the checkpoint is corrupt")
+                                           f"{info.get('stride')} (for {numel} parameters) or "
+                                           f"step {info.get('step')!r} is wrong; the "
+                                           "checkpoint is corrupt")
             jobs.append(job)
     return jobs, chunk or (8 << 20)
 
