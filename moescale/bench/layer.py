@@ -2,11 +2,16 @@
 
 For each config (width, experts, tokens) and dtype it builds, on the same weights and input:
 the floor (the routed rows through plain matmul FFNs, dense or evenly split; the faster one
-counts), moescale's `MoE`, Hugging Face's Mixtral block (eager / grouped_mm / batched_mm) and
-DeepSpeed-MoE (capacity 1.0 and 2.0) when installed. It times `(y * g).sum().backward()` with a
-fixed random g, median of `--repeats` runs after a warm-up, all implementations interleaved in
-one loop (round-robin per repetition) so that a noisy shared machine slows them alike, and
-counts the activation bytes each saves for backward (`saved_tensors_hooks`).
+counts), moescale's `MoE`, the naive PyTorch loop (boolean masks + `index_add_`), Hugging
+Face's Mixtral block (eager / grouped_mm / batched_mm) and DeepSpeed-MoE (capacity 1.0 and
+2.0) when installed. It times `(y * g).sum().backward()` with a fixed random g, median of
+`--repeats` runs after a warm-up, all implementations interleaved in one loop (round-robin per
+repetition, start rotated each repetition) so that a noisy shared machine slows them alike;
+moescale's ratios to the floor and to the naive loop come with a 95% interval over the paired
+repetitions (bench/stats.py). It counts the activation bytes each saves for backward
+(`saved_tensors_hooks`) and, in a fresh process per implementation, the peak RSS delta of one
+forward + backward (layer_memory.py; floors, moescale and the naive loop). `--expert both` runs
+GELU FFN and SiLU GLU experts. The JSON records the CPU's flags and the GEMM each dtype uses.
 
 Rows: routed rows actually computed per step (tokens x k dropless; kept choices under a
 capacity). Peers that would take minutes or tens of GB at full size (bf16 where torch's own
@@ -22,17 +27,19 @@ Legend: T tokens, R routed rows, D model width, F expert hidden width, E experts
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from moescale.bench import layer_impls as impls
+from moescale.bench import layer_memory
+from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
+from moescale.bench.stats import paired_ratio
 from moescale.layers.grouped_ffn import needs_fp32_gemm
 from moescale.layers.moe import MoE
 
@@ -52,14 +59,7 @@ class LayerCase:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
-    @property
-    def floor_target(self) -> float:
-        """>= 0.93 of the floor at 8 experts, >= 0.85 at 64, log-linear in between."""
-        if self.num_experts <= 8:
-            return 0.93
-        if self.num_experts >= 64:
-            return 0.85
-        return 0.93 - 0.08 * (math.log2(self.num_experts) - 3) / 3
+
 
 
 CASES = {
@@ -70,6 +70,9 @@ CASES = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEERS = ("hf", "deepspeed")
 SAVED_TARGET = 1.1
+FLOOR_TIME_TARGET = 1.05     # moescale's step time at most this x the floor's
+RSS_TARGET = 1.5             # moescale's peak RSS delta at most this x the dense floor's
+EXPERTS = {"glu": ["glu"], "ffn": ["ffn"], "both": ["ffn", "glu"]}
 
 
 @dataclass(kw_only=True)
@@ -78,7 +81,8 @@ class LayerBenchOptions:
 
     configs: list[str] = field(default_factory=lambda: list(CASES))
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
-    expert: str = "glu"                  # "glu": SiLU GLU (Mixtral); "ffn": GELU FFN
+    expert: str = "glu"                  # "glu": SiLU GLU (Mixtral); "ffn": GELU FFN; "both"
+    memory: bool = True                  # peak RSS delta per implementation (own process)
     peers: list[str] = field(default_factory=lambda: list(PEERS))
     repeats: int = 3
     warmup: int = 1
@@ -103,8 +107,8 @@ class LayerBenchOptions:
             if name not in PEERS:
                 raise ValueError(f"--peers entry {name!r} is unknown; choose from "
                                  f"{', '.join(PEERS)} (or --no-peers)")
-        if self.expert not in ("glu", "ffn"):
-            raise ValueError(f"--expert {self.expert!r} must be 'glu' or 'ffn'")
+        if self.expert not in EXPERTS:
+            raise ValueError(f"--expert {self.expert!r} must be one of {', '.join(EXPERTS)}")
         if self.repeats < 1 or self.warmup < 1:
             raise ValueError(f"--repeats {self.repeats} and --warmup {self.warmup} must be >= 1")
 
@@ -142,7 +146,8 @@ def build_candidates(case: LayerCase, dtype: torch.dtype, opts: LayerBenchOption
     rows = case.num_tokens * case.top_k
     out: list = [impls.build_floor(moe, rows, False, dtype, device, gen),
                  impls.build_floor(moe, rows, True, dtype, device, gen),
-                 impls.build_moescale(moe, x_TD, g_TD)]
+                 impls.build_moescale(moe, x_TD, g_TD),
+                 impls.build_naive_loop(moe, x_TD, g_TD)]
     peer_tokens, lowp_note = _peer_tokens(case, x_TD, opts)
     px_TD, pg_TD = impls.reduced_inputs(x_TD, g_TD, peer_tokens)
     if "hf" in opts.peers:
@@ -176,81 +181,108 @@ def run_case(name: str, case: LayerCase, dtype_name: str, opts: LayerBenchOption
         f"E={case.num_experts} k={case.top_k} expert={opts.expert}")
     moe, built = build_candidates(case, dtype, opts)
     cands = [c for c in built if isinstance(c, impls.Candidate)]
-    skipped = [{"config": name, "dtype": dtype_name, "impl": s.name, "reason": s.reason}
-               for s in built if isinstance(s, impls.Skipped)]
+    skipped = [{"config": name, "dtype": dtype_name, "expert": opts.expert, "impl": s.name,
+                "reason": s.reason} for s in built if isinstance(s, impls.Skipped)]
     for s in skipped:
         log(f"  skipped {s['impl']}: {s['reason']}")
     timed = [Timed(name=c.name, step=c.step, reset=c.reset, runs=opts.repeats,
                    warmup=opts.warmup, exclude=c.params,
                    slow_s=opts.slow_s if c.family == "peer" else None) for c in cands]
-    time_interleaved(timed, torch.device(opts.device), log)
+    time_interleaved(timed, torch.device(opts.device), log, rotate=True)
     glu = opts.expert == "glu"
     rows = []
     for c, t in zip(cands, timed):
         median = t.median_s
         minimum = min_saved_bytes(c.tokens, c.rows, case, glu, dtype)
         rows.append(dict(
-            config=name, dtype=dtype_name, impl=c.name, family=c.family, tokens=c.tokens,
-            rows=c.rows, median_ms=median * 1e3, min_ms=min(t.times_s) * 1e3, times_ms=[s * 1e3 for s in t.times_s],
-            warmup_ms=[s * 1e3 for s in t.warmup_s], runs=len(t.times_s),
-            tokens_per_s=c.tokens / median, rows_per_s=c.rows / median,
+            config=name, dtype=dtype_name, expert=opts.expert, impl=c.name, family=c.family,
+            tokens=c.tokens, rows=c.rows, median_ms=median * 1e3, min_ms=min(t.times_s) * 1e3,
+            times_ms=[s * 1e3 for s in t.times_s], warmup_ms=[s * 1e3 for s in t.warmup_s],
+            runs=len(t.times_s), tokens_per_s=c.tokens / median, rows_per_s=c.rows / median,
             saved_bytes=t.saved_bytes, min_saved_bytes=minimum,
             saved_ratio=t.saved_bytes / minimum if t.saved_bytes is not None else None,
-            reduced=c.reduced, note=c.note, max_abs_diff=c.max_abs_diff, **c.extra))
+            rss_delta_bytes=None, reduced=c.reduced, note=c.note,
+            max_abs_diff=c.max_abs_diff, **c.extra))
     floor = max((r for r in rows if r["family"] == "floor"), key=lambda r: r["rows_per_s"])
     best_floor = min(r["min_ms"] / r["rows"] for r in rows if r["family"] == "floor")
     for r in rows:
         r["ratio_to_floor"] = r["rows_per_s"] / floor["rows_per_s"]
         r["ratio_to_floor_best_runs"] = best_floor / (r["min_ms"] / r["rows"])
-    del moe, built, cands, timed
+        if r["family"] in ("moescale", "naive") and min(r["runs"], floor["runs"]) >= 2:
+            # step time / the floor's over the paired repetitions (same rows per step)
+            r["time_vs_floor"] = paired_ratio(r["times_ms"], floor["times_ms"]).as_dict()
+    ours = next(r for r in rows if r["family"] == "moescale")
+    naive = next(r for r in rows if r["family"] == "naive")
+    if ours["runs"] >= 2 and naive["runs"] >= 2:
+        ours["time_vs_naive"] = paired_ratio(ours["times_ms"], naive["times_ms"]).as_dict()
+    del moe, built, timed
+    if opts.memory:
+        for c, r in zip(cands, rows):
+            if r["family"] != "peer":
+                r["rss_delta_bytes"] = layer_memory.measure(c.name, c.family, case, dtype_name,
+                                                            opts)
+                if r["rss_delta_bytes"] is not None:
+                    log(f"  {c.name:<28} peak RSS delta {r['rss_delta_bytes'] / 2**20:9.1f} MiB")
     return rows, skipped
 
 
 def check_targets(rows: list[dict], case: LayerCase) -> list[dict]:
-    """Targets of the issue for one (config, dtype): one record each, with pass/fail."""
+    """Targets of the issue for one (config, dtype, expert): one record each, pass/fail."""
     ours = next(r for r in rows if r["family"] == "moescale")
-    checks = [dict(what=f"moescale >= {case.floor_target:.2f} x floor",
-                   value=ours["ratio_to_floor"], ok=ours["ratio_to_floor"] >= case.floor_target)]
+    time_ratio = 1.0 / ours["ratio_to_floor"]
+    checks = [dict(what=f"moescale step time <= {FLOOR_TIME_TARGET} x floor (medians)",
+                   value=time_ratio, ok=time_ratio <= FLOOR_TIME_TARGET,
+                   interval=ours.get("time_vs_floor"))]
     for r in rows:
-        if r["family"] == "peer":
+        if r["family"] in ("peer", "naive") and r is not ours:
             ratio = ours["rows_per_s"] / r["rows_per_s"]
             checks.append(dict(what=f"moescale faster than {r['impl']} (rows/s)", value=ratio,
-                               ok=ratio > 1.0))
+                               ok=ratio > 1.0, dropless="capacity" not in r,
+                               interval=ours.get("time_vs_naive") if r["family"] == "naive"
+                               else None))
     if ours["saved_ratio"] is not None:
         checks.append(dict(what=f"moescale saved activations <= {SAVED_TARGET} x min",
                            value=ours["saved_ratio"], ok=ours["saved_ratio"] <= SAVED_TARGET))
+    dense = next((r for r in rows if r["impl"] == "floor: 1 dense FFN"), None)
+    if ours["rss_delta_bytes"] and dense and dense["rss_delta_bytes"]:
+        ratio = ours["rss_delta_bytes"] / dense["rss_delta_bytes"]
+        checks.append(dict(what=f"moescale peak RSS delta <= {RSS_TARGET} x dense floor's",
+                           value=ratio, ok=ratio <= RSS_TARGET))
     for c in checks:
-        c.update(config=ours["config"], dtype=ours["dtype"])
+        c.update(config=ours["config"], dtype=ours["dtype"], expert=ours["expert"])
     return checks
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'config':<10} {'dtype':<5} {'implementation':<29} {'tokens':>6} {'rows':>6} "
-            f"{'ms':>9} {'tokens/s':>9} {'rows/s':>9} {'x floor':>7} {'saved MB':>9} "
-            f"{'x min':>6} {'runs':>4}")
+    head = (f"{'config':<10} {'dtype':<5} {'exp':<3} {'implementation':<32} {'tokens':>6} "
+            f"{'ms':>8} {'rows/s':>8} {'x floor':>7} {'saved MB':>8} {'x min':>5} "
+            f"{'RSS MB':>7} {'runs':>4}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        saved = "" if r["saved_bytes"] is None else f"{r['saved_bytes'] / 2**20:9.1f}"
-        ratio = "" if r["saved_ratio"] is None else f"{r['saved_ratio']:6.2f}"
+        saved = "" if r["saved_bytes"] is None else f"{r['saved_bytes'] / 2**20:8.1f}"
+        ratio = "" if r["saved_ratio"] is None else f"{r['saved_ratio']:5.2f}"
+        rss = "" if r.get("rss_delta_bytes") is None else f"{r['rss_delta_bytes'] / 2**20:7.0f}"
         mark = "*" if r["reduced"] else ""
         lines.append(
-            f"{r['config']:<10} {r['dtype']:<5} {r['impl'] + mark:<29} {r['tokens']:>6} "
-            f"{r['rows']:>6} {r['median_ms']:9.1f} {r['tokens_per_s']:9.0f} "
-            f"{r['rows_per_s']:9.0f} {r['ratio_to_floor']:7.3f} {saved:>9} {ratio:>6} "
-            f"{r['runs']:>4}")
+            f"{r['config']:<10} {r['dtype']:<5} {r.get('expert', ''):<3} "
+            f"{r['impl'] + mark:<32} {r['tokens']:>6} {r['median_ms']:8.1f} "
+            f"{r['rows_per_s']:8.0f} {r['ratio_to_floor']:7.3f} {saved:>8} {ratio:>5} "
+            f"{rss:>7} {r['runs']:>4}")
     return "\n".join(lines)
 
 
 def format_markdown(rows: list[dict]) -> str:
-    lines = ["| config | dtype | implementation | tokens | rows | ms | tokens/s | rows/s | "
-             "x floor | saved MiB | x min |", "|" + "---|" * 11]
+    lines = ["| config | dtype | expert | implementation | tokens | rows | ms | rows/s | "
+             "x floor | saved MiB | x min | peak RSS delta MiB |", "|" + "---|" * 12]
     for r in rows:
         saved = "" if r["saved_bytes"] is None else f"{r['saved_bytes'] / 2**20:.1f}"
         ratio = "" if r["saved_ratio"] is None else f"{r['saved_ratio']:.2f}"
+        rss = "" if r.get("rss_delta_bytes") is None else f"{r['rss_delta_bytes'] / 2**20:.0f}"
         mark = " *" if r["reduced"] else ""
-        lines.append(f"| {r['config']} | {r['dtype']} | {r['impl']}{mark} | {r['tokens']} | "
-                     f"{r['rows']} | {r['median_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['rows_per_s']:.0f} | {r['ratio_to_floor']:.3f} | {saved} | {ratio} |")
+        lines.append(f"| {r['config']} | {r['dtype']} | {r.get('expert', '')} | "
+                     f"{r['impl']}{mark} | {r['tokens']} | {r['rows']} | {r['median_ms']:.1f} | "
+                     f"{r['rows_per_s']:.0f} | {r['ratio_to_floor']:.3f} | {saved} | {ratio} | "
+                     f"{rss} |")
     return "\n".join(lines)
 
 
@@ -278,21 +310,24 @@ def run(opts: LayerBenchOptions, argv: list[str], log=print, on_partial=None) ->
             created_group = impls.ensure_process_group()
         except Exception as err:  # noqa: BLE001 - report and go on without it
             log(f"deepspeed unavailable ({type(err).__name__}: {err}); skipping it")
+    log(f"CPU flags: {' '.join(cpu_flags()) or '(unknown)'}; {torch.get_num_threads()} "
+        f"threads; GEMMs: {_gemm_choices(opts, device)}")
     try:
-        for name in opts.configs:
+        for name, dtype_name, expert in ((n, d, x) for n in opts.configs for d in opts.dtypes
+                                         for x in EXPERTS[opts.expert]):
             case = CASES[name]
             if opts.quick:
                 case = LayerCase(**{**asdict(case),
                                     "num_tokens": max(64, case.num_tokens // 8)})
-            for dtype_name in opts.dtypes:
-                case_rows, case_skipped = run_case(name, case, dtype_name, opts, log)
-                rows += case_rows
-                skipped += case_skipped
-                checks += check_targets(case_rows, case)
-                log(format_table(case_rows))
-                if on_partial is not None:
-                    on_partial(_result(opts, argv, device, started, rows, skipped, checks,
-                                       complete=False))
+            case_rows, case_skipped = run_case(name, case, dtype_name,
+                                               replace(opts, expert=expert), log)
+            rows += case_rows
+            skipped += case_skipped
+            checks += check_targets(case_rows, case)
+            log(format_table(case_rows))
+            if on_partial is not None:
+                on_partial(_result(opts, argv, device, started, rows, skipped, checks,
+                                   complete=False))
     finally:
         if created_group:
             import torch.distributed as dist
@@ -300,13 +335,19 @@ def run(opts: LayerBenchOptions, argv: list[str], log=print, on_partial=None) ->
     return _result(opts, argv, device, started, rows, skipped, checks, complete=True)
 
 
+def _gemm_choices(opts, device) -> dict:
+    return {d: impls.floor_gemm_name(torch.empty(1, dtype=DTYPES[d], device=device))
+            for d in opts.dtypes}
+
+
 def _result(opts, argv, device, started, rows, skipped, checks, complete: bool) -> dict:
-    floor_gemm = {d: impls.floor_gemm_name(torch.empty(1, dtype=DTYPES[d], device=device))
-                  for d in opts.dtypes}
     return dict(complete=complete,
         benchmark="layer", hardware=hardware_tag(device), versions=_versions(),
+        cpu_flags=cpu_flags(), cpu_model=platform.processor() or platform.machine(),
         threads=torch.get_num_threads(), command="moescale bench layer " + " ".join(argv),
-        options={k: v for k, v in asdict(opts).items()}, floor_gemm=floor_gemm,
+        options={k: v for k, v in asdict(opts).items()}, floor_gemm=_gemm_choices(opts, device),
+        rss_meaning="peak RSS delta of one warm forward + backward in a fresh process "
+                    "(layer_memory.py): saved activations, transients, weight gradients",
         loss="(y * g).sum() with a fixed random g",
         rows_meaning="routed rows computed per step (tokens x k dropless; kept choices under "
                      "a capacity factor; padding not counted)",
@@ -319,8 +360,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CASES),
                    help=f"comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16,fp16")
-    p.add_argument("--expert", default="glu", choices=("glu", "ffn"),
-                   help="glu: SiLU GLU experts as Mixtral (default); ffn: GELU FFN")
+    p.add_argument("--expert", default="glu", choices=tuple(EXPERTS),
+                   help="glu: SiLU GLU experts as Mixtral (default); ffn: GELU FFN; both")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the peak RSS probes (one fresh process per implementation)")
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated: hf,deepspeed")
     p.add_argument("--no-peers", action="store_true", help="floor and moescale only")
     p.add_argument("--repeats", type=int, default=None, help="timed runs (default 3; quick 2)")
@@ -345,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         peers=[] if a.no_peers else split,
         repeats=a.repeats if a.repeats is not None else (2 if a.quick else 3),
         warmup=a.warmup, quick=a.quick, device=a.device, slow_s=a.slow_s, seed=a.seed,
-        out=a.out)
+        out=a.out, memory=not a.no_memory)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -358,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             suffix += "_" + "-".join(opts.configs + opts.dtypes)
         if not opts.peers:
             suffix += "_nopeers"
+        if opts.expert != "glu":
+            suffix += "_" + opts.expert
         path = Path("benchmarks/results") / f"layer_{hardware_tag(torch.device(opts.device))}" \
             f"{suffix}.json"
     result = run(opts, argv, log, on_partial=lambda partial: write_json(path, partial))
@@ -367,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {s['config']} {s['dtype']} {s['impl']}: {s['reason']}")
     print("\ntargets:")
     for c in result["targets"]:
-        print(f"  [{'PASS' if c['ok'] else 'FAIL'}] {c['config']} {c['dtype']}: {c['what']}: "
-              f"{c['value']:.3f}")
+        ci = c.get("interval")
+        spread = f" (paired {ci['ratio']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}], " \
+            f"n={ci['n']})" if ci else ""
+        print(f"  [{'PASS' if c['ok'] else 'FAIL'}] {c['config']} {c['dtype']} {c['expert']}: "
+              f"{c['what']}: {c['value']:.3f}{spread}")
     write_json(path, result)
     print(f"\nwrote {path}")
     return 0

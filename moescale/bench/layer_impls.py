@@ -6,6 +6,9 @@
   multiplies the low-precision operands in fp32 and rounds, exactly as moescale's kernels do
   (`grouped_ffn.mm_into`), so that the floor is the fastest GEMM available, not a strawman.
 - moescale: `moescale.MoE` (dropless, top-k softmax router).
+- naive loop: the plain PyTorch MoE one writes first (and many codebases ship): moescale's
+  router, then for each expert a boolean mask of its routing choices, its tokens gathered,
+  its FFN in matmul autograd, the score-weighted output `index_add_`ed into y. Dropless.
 - Hugging Face transformers' `MixtralSparseMoeBlock` with each experts implementation (eager,
   grouped_mm, batched_mm), with moescale's weights copied in (GLU experts only: Mixtral's).
 - DeepSpeed-MoE's `deepspeed.moe.layer.MoE` (capacity factors 1.0 and 2.0; dense dispatch).
@@ -163,6 +166,39 @@ def _reference_output(moe: MoE, x_TD: torch.Tensor, capacity_factor=None) -> tor
 
 def _max_diff(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref.float()).abs().max()) if y.numel() else 0.0
+
+
+# ----------------------------------------------------------------------------- naive loop
+
+def build_naive_loop(moe: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor) -> Candidate:
+    """Boolean masks per expert + index_add_, on moescale's router and weights."""
+    x_TD = x_TD.detach().requires_grad_(True)
+    ex, act = moe.experts, moe.experts.act.forward
+    params = list(moe.parameters())
+
+    def layer(x):
+        route = moe.router(x)
+        y_TD = torch.zeros_like(x)
+        for e in range(moe.num_experts):
+            mask_TK = route.expert_ids_TK == e
+            tok_N, slot_N = torch.nonzero(mask_TK, as_tuple=True)
+            if tok_N.numel() == 0:
+                continue
+            w3 = None if ex.w3_EDF is None else ex.w3_EDF[e]
+            y_ND = _ffn(x[tok_N], ex.w1_EDF[e], ex.w2_EFD[e], w3, act)
+            score_N1 = route.scores_TK[tok_N, slot_N].unsqueeze(1).to(y_ND.dtype)
+            y_TD.index_add_(0, tok_N, y_ND * score_N1)
+        return y_TD
+
+    def forward():
+        return (layer(x_TD) * g_TD).sum()
+
+    with torch.no_grad():
+        diff = _max_diff(layer(x_TD), _reference_output(moe, x_TD))
+    return Candidate(name="naive loop (masks + index_add_)", family="naive", forward=forward,
+                     leaves=[x_TD] + params, params=params, tokens=x_TD.shape[0],
+                     rows=x_TD.shape[0] * moe.config.top_k, note="dropless",
+                     max_abs_diff=diff)
 
 
 # ----------------------------------------------------------------------------- Hugging Face

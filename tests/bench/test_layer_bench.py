@@ -21,26 +21,58 @@ from moescale.bench.measure import SavedBytes, hardware_tag, write_json
 TINY = layer.LayerCase(d_model=16, d_ff=32, num_experts=4, top_k=2, num_tokens=32)
 
 
-def run_tiny(peers, dtype="fp32"):
-    opts = layer.LayerBenchOptions(peers=peers, repeats=1, dtypes=[dtype])
+def run_tiny(peers, dtype="fp32", expert="glu", repeats=1, memory=False):
+    opts = layer.LayerBenchOptions(peers=peers, repeats=repeats, dtypes=[dtype], expert=expert,
+                                   memory=memory)
     return layer.run_case("tiny", TINY, dtype, opts, log=lambda msg: None)
 
 
-def test_floor_and_moescale_rows_saved_bytes_and_targets():
+def test_floor_moescale_and_naive_loop_rows_saved_bytes_and_targets():
     rows, skipped = run_tiny([])
     assert not skipped
     names = [r["impl"] for r in rows]
-    assert names == ["floor: 1 dense FFN", "floor: 4 FFNs, even split", "moescale"]
-    ours = rows[2]
+    assert names == ["floor: 1 dense FFN", "floor: 4 FFNs, even split", "moescale",
+                     "naive loop (masks + index_add_)"]
+    ours, naive = rows[2], rows[3]
     assert ours["rows"] == TINY.num_tokens * TINY.top_k and ours["runs"] == 1
     assert ours["saved_bytes"] > 0 and 0.9 < ours["saved_ratio"] < 1.5
+    assert naive["rows"] == ours["rows"] and naive["max_abs_diff"] < 1e-5   # same layer
     assert max(r["ratio_to_floor"] for r in rows if r["family"] == "floor") == 1.0
     checks = layer.check_targets(rows, TINY)
-    assert checks[0]["what"].startswith("moescale >= 0.93 x floor")
+    assert checks[0]["what"].startswith("moescale step time <= 1.05 x floor")
+    assert any(c["what"] == "moescale faster than naive loop (masks + index_add_) (rows/s)"
+               for c in checks)
     table, md = layer.format_table(rows), layer.format_markdown(rows)
     assert "moescale" in table and md.count("\n") == len(rows) + 1
 
 
+def test_gelu_experts_paired_intervals_and_rss_in_fresh_processes():
+    """--expert ffn (GELU), two repeats (paired ratios with an interval), and the peak RSS
+    delta measured per implementation in its own process (Linux), compared to the dense
+    floor's."""
+    rows, _ = run_tiny([], expert="ffn", repeats=2, memory=True)
+    ours = next(r for r in rows if r["family"] == "moescale")
+    assert ours["expert"] == "ffn"
+    ci = ours["time_vs_floor"]
+    assert ci["n"] == 2 and ci["low"] <= ci["ratio"] <= ci["high"]
+    assert ours["time_vs_naive"]["n"] == 2
+    if ours["rss_delta_bytes"] is None:
+        pytest.skip("no /proc/self/clear_refs here")
+    assert all(r["rss_delta_bytes"] >= 0 for r in rows)
+    checks = layer.check_targets(rows, TINY)
+    assert any(c["what"].startswith("moescale peak RSS delta") for c in checks)
+
+
+def test_result_records_cpu_flags_and_gemm_choice():
+    opts = layer.LayerBenchOptions(configs=[], dtypes=["fp32", "bf16"], peers=[], memory=False)
+    result = layer.run(opts, [], log=lambda msg: None)
+    assert isinstance(result["cpu_flags"], list)
+    assert set(result["floor_gemm"]) == {"fp32", "bf16"}
+    with pytest.raises(ValueError, match="--expert"):
+        layer.LayerBenchOptions(expert="moe")
+
+
+@pytest.mark.slow
 def test_hf_peers_get_moescales_weights():
     pytest.importorskip("transformers")
     rows, skipped = run_tiny(["hf"])
@@ -52,6 +84,7 @@ def test_hf_peers_get_moescales_weights():
         assert r["max_abs_diff"] < 1e-5, r
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_deepspeed_peer_counts_kept_rows():
     pytest.importorskip("deepspeed")

@@ -1,0 +1,92 @@
+"""Peak RSS delta of one forward + backward of one `moescale bench layer` implementation.
+
+Each measurement runs in a fresh Python process (`python -m moescale.bench.layer_memory`), so
+that no other implementation's freed heap is reused or counted: it builds the same case as the
+benchmark (same weights, same input), runs one warm-up step (one-time allocations: oneDNN
+scratch, thread pools, the first weight gradients), drops the gradients, returns freed heap to
+the kernel (`malloc_trim(0)`), reads VmRSS, resets the high-water mark (`/proc/self/clear_refs`
+with "5") and runs one more step; the delta is VmHWM - VmRSS. It therefore counts everything a
+step allocates and touches: saved activations, transients and the weight gradients.
+
+Linux only (needs /proc/self/clear_refs and glibc's malloc_trim); elsewhere `measure` returns
+None and the benchmark reports the cell without a memory figure. This file times nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import torch
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def step_rss_delta(step, reset) -> int:
+    """Bytes: peak RSS during step() above the RSS just before it (after one warm-up)."""
+    reset()
+    step()
+    reset()
+    _trim_heap()
+    before_kib = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    step()
+    peak_kib = _status_kib("VmHWM")
+    reset()
+    return max(0, peak_kib - before_kib) * 1024
+
+
+def _child(spec: dict) -> dict:
+    from moescale.bench import layer
+    from moescale.bench.layer_impls import Candidate, ensure_process_group
+
+    torch.set_num_threads(spec["threads"])
+    opts = layer.LayerBenchOptions(**spec["options"])
+    case = layer.LayerCase(**spec["case"])
+    if "deepspeed" in opts.peers:
+        ensure_process_group()
+    _, built = layer.build_candidates(case, layer.DTYPES[spec["dtype"]], opts)
+    cand = next(c for c in built if isinstance(c, Candidate) and c.name == spec["impl"])
+    return {"impl": cand.name, "rss_delta_bytes": step_rss_delta(cand.step, cand.reset)}
+
+
+def measure(impl: str, family: str, case, dtype_name: str, opts, timeout_s: float = 900.0):
+    """Peak RSS delta (bytes) of `impl` on this case in a fresh process; None if unavailable."""
+    if not (os.path.exists("/proc/self/clear_refs") and sys.platform.startswith("linux")):
+        return None
+    peers = []
+    if family == "peer":
+        peers = ["deepspeed"] if impl.startswith("deepspeed") else ["hf"]
+    options = {**asdict(opts), "peers": peers, "configs": [], "dtypes": [dtype_name],
+               "out": None}
+    spec = {"impl": impl, "dtype": dtype_name, "case": asdict(case), "options": options,
+            "threads": torch.get_num_threads()}
+    proc = subprocess.run([sys.executable, "-m", "moescale.bench.layer_memory", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"memory probe of {impl!r} failed (rc {proc.returncode}): {tail[0]}")
+    return json.loads(lines[-1])["rss_delta_bytes"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
