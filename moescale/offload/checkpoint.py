@@ -31,7 +31,7 @@ Checkpoints of the first format (`meta.json` and one file per layer, unverifiabl
 with a warning.
 
 Deliberately not here: dense parameters and the dense optimizer (the trainer's own checkpoint),
-the gathering over ranks (moescale/train/ep_offload_backend.py).
+the gathering over ranks (moescale/train/run_state.py).
 """
 
 from __future__ import annotations

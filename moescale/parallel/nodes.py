@@ -24,7 +24,7 @@ L ranks reduce in parallel and no expert is sent twice. Every node ends with bit
 accumulators (the all-reduce hands every member the same sum).
 
 Not here: the store (node_store.py), the per-node placement and experts (dynamic.py,
-dynamic_experts.py), the trainer's use of all this (train/dynamic_backend.py). Nodes with
+dynamic_experts.py), the trainer's use of all this (train/exchange.py, parallel/dynamic_step.py). Nodes with
 different numbers of ranks are not supported.
 
 Legend: E experts of a layer, P parameters of one expert, N nodes, L ranks per node.

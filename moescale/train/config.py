@@ -9,7 +9,7 @@ type and default; `to_toml()` writes the resolved tree (None values are omitted:
 
 Offloading (`[offload]`: mode, budgets, step mode, activation policy), expert parallelism
 (`[parallel]`: ep_size, chunks, reuse) and dynamic placement (`parallel.placement`, `split`) are
-wired into the trainer (moescale/train/backends.py);
+wired into the trainer (moescale/train/assembly.py);
 `check_supported()` refuses the combinations it cannot run (offloading with the pipelined
 all-to-all or with auto under expert parallelism; dynamic placement with offloading, ep_size,
 bf16, CUDA), with a clear message,

@@ -2,7 +2,7 @@
 per-step load numbers the progress bar shows.
 
 `summarise(trainer, ...)` reads the run's metrics.jsonl back, adds the memory peaks (host RSS,
-the device's and, on the disk tier, the store's bytes) and the backend's plan, writes
+the device's and, on the disk tier, the store's bytes) and the run's plan (train/assembly.py), writes
 summary.json and report.png and prints the summary: run dir, data, model, steps, train loss
 (mean of the last 20 steps), validation loss, tokens/s, threads, peak memory per tier, offload
 plan, the modelled device load when several devices ran. `imbalance` and `load_text` are the
@@ -78,7 +78,7 @@ def summarise(trainer, train_time: float, train_tokens: int, wall: float, last_c
     memory = {"host_peak_rss_bytes": peak_rss_bytes(), **memory}
     if trainer.device.type == "cuda" and "device_peak_bytes" not in memory:
         memory["device_peak_bytes"] = torch.cuda.max_memory_allocated(trainer.device)
-    plan, trainer.plan_text = trainer.backend.plan(trainer.device)
+    plan, trainer.plan_text = trainer.parts.plan(trainer.device)
     summary = {
         "kind": "summary", "step": trainer.step, "steps": trainer.config.train.steps,
         "train_loss": sum(r["loss"] for r in tail) / len(tail) if tail else None,
@@ -86,7 +86,7 @@ def summarise(trainer, train_time: float, train_tokens: int, wall: float, last_c
         "val_loss": vals[-1]["val_loss"] if vals else None,
         "tokens_per_s": train_tokens / train_time if train_time else None,
         "wall_s": wall, "memory": memory, "offload_plan": plan,
-        "world_size": trainer.backend.world_size,
+        "world_size": trainer.ranks.world_size,
         "device": str(trainer.device), "params_total": trainer.params.total,
         "params_active": trainer.params.active, "checkpoint": str(last_ckpt),
         "resumed_from": trainer.resumed_from,

@@ -22,15 +22,16 @@ aborts at once. A step whose loss or gradient norm is not finite is skipped, not
 with NaN or Inf is written. A start-up sweep removes the temp files a killed run left in the
 run directory (checkpoint.sweep_temp_files).
 
-Offloading and expert parallelism plug in through a backend (backends.py): it prepares the
-model (offloads or shards the experts), slices each batch for this rank, clips and steps the
-experts, reduces logged numbers over ranks and consolidates checkpoints; under expert
-parallelism only rank 0 writes files and prints.
+Offloading, expert parallelism and dynamic placement plug in as parts (assembly.py): the
+ranks (one process or a torch.distributed world: each rank's slice of a batch, reductions of
+logged numbers), the exchange (shards the MoE layers, averages gradients over the ranks, adds
+per-step load numbers), the residency (resident or offloaded experts) with its expert-step
+handle (clips and steps the experts), and the checkpoint state (run_state.py: consolidated,
+single-process format). Only rank 0 writes files and prints.
 
-Deliberately not here: the offload / expert-parallel integration (backends.py), process
-launch (torchrun, or backends.train_distributed), the CLI parsing (cli.py), the end-of-run
-summary (summary.py), the step guard (guard.py), the checks of what the machine can run
-(limits.py).
+Deliberately not here: the parts themselves, process launch (torchrun, or
+launch.train_distributed), the CLI parsing (cli.py), the end-of-run summary (summary.py), the
+step guard (guard.py), the checks of what the machine can run (limits.py).
 
 Legend: B batch, S sequence, L MoE layers, E experts.
 """
@@ -53,7 +54,7 @@ from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
 from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.offload.planner import fmt_bytes
-from moescale.train.backends import make_backend
+from moescale.train.assembly import assemble
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
                                        nonfinite, optimizer_from_flat, optimizer_to_flat,
                                        save_checkpoint, sweep_temp_files, verified_checkpoints)
@@ -136,20 +137,21 @@ class Trainer:
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         tc = config.train
-        self.backend = make_backend(config, Path(run_dir))
-        self.run_dir = Path(self.backend.agree(str(run_dir)))   # rank 0's choice
-        self.writer = self.backend.writer
+        self.parts = assemble(config, run_dir)
+        self.ranks = self.parts.ranks
+        self.run_dir = self.parts.run_dir     # rank 0's choice
+        self.writer = self.ranks.writer
         if not self.writer:
             self.out = self.err = open(os.devnull, "w")
         self.threads_note = "set by train.threads"
         if tc.threads == 0:
-            tc.threads, self.threads_note = auto_threads(self.backend.world_size)
+            tc.threads, self.threads_note = auto_threads(self.ranks.world_size)
         self.device = resolve_device(tc.device)
         self.data = load_data(config.data, DEFAULT_CACHE_DIR)
         check_memory(config, self.data.vocab_size, self.device)
         torch.manual_seed(tc.seed)
-        self.model = build_model(config, self.data.vocab_size, self.backend.expert_device())
-        if self.backend.expert_device() is None:   # else: moved once the experts are out
+        self.model = build_model(config, self.data.vocab_size, self.parts.expert_device())
+        if self.parts.expert_device() is None:   # else: moved once the experts are out
             self.model.to(self.device)
         self.params = self.model.num_parameters()
         check_budget(config, self.params.total)
@@ -162,15 +164,16 @@ class Trainer:
         try:
             self._build(resume)
         except BaseException:     # stop the offload engine's threads
-            self.backend.close()
+            self.parts.close()
             raise
 
     def _build(self, resume: bool) -> None:
         config, tc = self.config, self.config.train
-        self.backend.prepare(self.model)
+        self.parts.prepare(self.model)       # exchange, then residency
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, config.optim)
-        self.backend.attach(self.optimizer)
+        self.parts.attach(self.model, self.optimizer)
+        self.experts = self.parts.step       # the expert-step handle
         self.batches = TokenBatches(self.data.train, tc.batch_size, tc.seq_len, tc.seed, "train")
         self.val_windows = TokenBatches(self.data.val, tc.batch_size, tc.seq_len, tc.seed + 1,
                                         "validation").fixed(tc.eval_batches)
@@ -215,11 +218,11 @@ class Trainer:
             model_sd = {k[len("model."):]: v for k, v in tensors.items()
                         if k.startswith("model.")}
             try:
-                self.backend.load_model_state(self.model, model_sd)
-                optimizer_from_flat(self.optimizer,
-                                    self.backend.local_optimizer_tensors(self.optimizer, tensors),
-                                    self.backend.local_optimizer_groups(state["optimizer"]))
-                self.backend.load_extra(self.ckpt_dir, state)
+                run_state = self.parts.state
+                run_state.load_model_state(self.model, model_sd)
+                optimizer_from_flat(self.optimizer, run_state.local_optimizer_tensors(tensors),
+                                    run_state.local_optimizer_groups(state["optimizer"]))
+                run_state.load_extra(self.ckpt_dir, state)
             except StoreCheckpointError as err:
                 warn(f"warning: {str(err).splitlines()[0]}; trying the previous checkpoint")
                 continue
@@ -233,7 +236,7 @@ class Trainer:
         torch.set_rng_state(tensors["rng.torch"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
-        self.backend.barrier()    # every rank has read before rank 0 renames
+        self.ranks.barrier()    # every rank has read before rank 0 renames
         for newer_step, newer in list_checkpoints(self.ckpt_dir) if self.writer else ():
             if newer_step > self.step:   # failed verification: set aside, never deleted
                 newer.rename(newer.with_name(newer.name + ".corrupt"))
@@ -243,10 +246,11 @@ class Trainer:
 
     def save(self) -> Path:
         """Collective under expert parallelism (state is gathered); rank 0 writes."""
-        tensors = {f"model.{k}": v for k, v in self.backend.model_state(self.model).items()}
+        run_state = self.parts.state
+        tensors = {f"model.{k}": v for k, v in run_state.model_state(self.model).items()}
         opt_tensors, opt_rest = optimizer_to_flat(self.optimizer)
-        tensors.update(self.backend.optimizer_tensors(self.optimizer, opt_tensors))
-        opt_rest = self.backend.optimizer_groups(opt_rest)
+        tensors.update(run_state.optimizer_tensors(opt_tensors))
+        opt_rest = run_state.optimizer_groups(opt_rest)
         tensors["rng.torch"] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
@@ -254,7 +258,7 @@ class Trainer:
                  "config": to_dict(self.config)}
         path = checkpoint_path(self.ckpt_dir, self.step)
         bad = nonfinite(tensors) if self.writer else None   # never written (nor the store)
-        if self.backend.any(bad is not None):               # every rank stops, none waits
+        if self.ranks.any(bad is not None):               # every rank stops, none waits
             raise TrainingDiverged(
                 f"refusing to write the checkpoint of step {self.step}: " +
                 (f"{bad[0]} holds {bad[1]:,} NaN or Inf values" if bad else "rank 0 found NaN "
@@ -263,18 +267,18 @@ class Trainer:
         failed = None
         if self.writer:
             try:
-                state.update(self.backend.save_extra(self.ckpt_dir, self.step))  # first
+                state.update(run_state.save_extra(self.ckpt_dir, self.step))  # first
                 path = save_checkpoint(self.ckpt_dir, self.step, tensors, state,
                                        self.config.train.keep_last)   # the commit point
-                self.backend.after_save(self.ckpt_dir)
+                run_state.after_save(self.ckpt_dir)
             except OSError as err:     # disk full, read-only: the older checkpoints stand
                 failed = err
-        if self.backend.any(failed is not None):
+        if self.ranks.any(failed is not None):
             reason = failed.strerror or str(failed) if failed is not None else "rank 0 failed"
             raise OSError(getattr(failed, "errno", None), f"could not write the checkpoint of "
                           f"step {self.step} in {str(self.ckpt_dir)!r} ({reason}); the "
                           "checkpoints already written are intact")
-        self.backend.barrier()
+        self.ranks.barrier()
         return path
 
     # -- loop ----------------------------------------------------------------------------
@@ -293,12 +297,12 @@ class Trainer:
         ce_sum = aux_sum = 0.0
         counts_LE = None
         for i in range(tc.grad_accum):
-            self.backend.begin_micro_batch(last=i == tc.grad_accum - 1)
-            idx_BS, targets_BS = self.backend.shard(*self.batches.next())  # this rank's rows
+            self.parts.begin_micro_batch(last=i == tc.grad_accum - 1)
+            idx_BS, targets_BS = self.ranks.shard(*self.batches.next())  # this rank's rows
             idx_BS, targets_BS = idx_BS.to(self.device), targets_BS.to(self.device)
             with self._autocast():
                 _, loss = self.model(idx_BS, targets_BS)
-            self.backend.before_backward(loss.detach())
+            self.experts.before_backward(loss.detach())
             (loss / tc.grad_accum).backward()
             parts = self.model.last_loss_parts
             ce_sum += float(parts["ce"])
@@ -307,27 +311,27 @@ class Trainer:
             counts_LE = layer_counts if counts_LE is None else \
                 [a + b for a, b in zip(counts_LE, layer_counts)]
         clip = oc.grad_clip if oc.grad_clip > 0 else math.inf
-        grad_norm = self.backend.clip(self.model, clip)   # EP: gradients averaged first
-        skips, self._expert_skips = self._expert_skips, self.backend.expert_skips()
-        ce_sum, aux_sum, skips = self.backend.mean([ce_sum, aux_sum, self._expert_skips - skips])
+        grad_norm = self.parts.clip(self.model, clip)   # EP: gradients averaged first
+        skips, self._expert_skips = self._expert_skips, self.experts.skipped_steps()
+        ce_sum, aux_sum, skips = self.ranks.mean([ce_sum, aux_sum, self._expert_skips - skips])
         skipped = self.guard.verdict(      # every rank sees the same numbers: all agree
             ce_sum / tc.grad_accum, aux_sum / tc.grad_accum,
             dense_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm,
-            round(skips * self.backend.world_size))
+            round(skips * self.ranks.world_size))
         if skipped is None:
-            self.backend.step_experts()
+            self.experts.step()
             self.optimizer.step()
         else:                 # no update: the gradients are discarded
-            self.backend.skip_step()
+            self.experts.skip_step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        counts = [c.tolist() for c in self.backend.sum_counts(counts_LE or [])]
+        counts = [c.tolist() for c in self.ranks.sum_counts(counts_LE or [])]
         return {"kind": "train", "step": self.step, "loss": ce_sum / tc.grad_accum,
                 "aux_loss": aux_sum / tc.grad_accum, "lr": lr, "grad_norm": grad_norm,
                 "tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
                 "imbalance": imbalance(counts), "tokens_per_expert": counts,
                 **({} if skipped is None else {"skipped": skipped}),
-                **self.backend.step_metrics(self.model, counts)}
+                **self.parts.exchange.step_metrics(self.model, counts)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -335,13 +339,13 @@ class Trainer:
         try:
             losses = []
             for idx_BS, targets_BS in self.val_windows:
-                idx_BS, targets_BS = self.backend.shard(idx_BS, targets_BS)
+                idx_BS, targets_BS = self.ranks.shard(idx_BS, targets_BS)
                 with self._autocast():
                     self.model(idx_BS.to(self.device), targets_BS.to(self.device))
                 losses.append(float(self.model.last_loss_parts["ce"]))
         finally:
             self.model.train()
-        return self.backend.mean([sum(losses) / len(losses)])[0]
+        return self.ranks.mean([sum(losses) / len(losses)])[0]
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_requested:
@@ -363,7 +367,7 @@ class Trainer:
             return self._run(min(tc.steps, until_step or tc.steps))
         finally:
             torch.set_num_threads(threads)
-            self.backend.close()
+            self.parts.close()
 
     def _run(self, last_step: int) -> int:
         from tqdm import tqdm
@@ -396,7 +400,7 @@ class Trainer:
                 record["tokens_per_s"] = record["tokens"] / dt
                 record["elapsed_s"] = time.perf_counter() - start
                 self.metrics.write(record)
-                self.stop_requested = self.backend.any(self.stop_requested)  # ranks agree
+                self.stop_requested = self.ranks.any(self.stop_requested)  # ranks agree
                 bar.update(1)
                 bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {rate:,.0f} "
                                     f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}"
@@ -419,7 +423,7 @@ class Trainer:
         if self.stop_requested and last_ckpt is None and self.step > 0:
             last_ckpt = self.save()
         sample = self.sample() if not self.stop_requested else ""   # collective under EP
-        memory = self.backend.memory()
+        memory = self.parts.memory()
         if self.writer:
             self.summary = summarise(self, train_time, train_tokens,
                                      time.perf_counter() - start, last_ckpt, sample, memory)

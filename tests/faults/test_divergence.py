@@ -130,14 +130,15 @@ def test_offloaded_run_with_lr_1e6_keeps_the_store_finite(corpus, tmp_path, caps
     config = load_config(run_dir / "config.toml")
     trainer = Trainer(config, run_dir, resume=True)     # the newest checkpoint, both halves
     try:
-        store = trainer.backend.engine.store
+        store = trainer.parts.residency.engine.store
         for key in store.keys():
             record, _ = store.read_record(key)
             assert torch.isfinite(record).all(), key
     finally:
-        trainer.backend.close()
+        trainer.parts.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_dynamic_placement_skips_and_stops_on_every_rank(launcher, corpus, tmp_path):
     port = free_port()

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moescale.train.backends import make_backend, train_distributed
+from moescale.train.exchange import check_launch
+from moescale.train.launch import train_distributed
 from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics
@@ -142,13 +143,13 @@ def test_a_dynamic_run_needs_a_launch(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     config = load_config(None, DYNAMIC)
     with pytest.raises(ValueError, match="torchrun --nproc-per-node N"):
-        make_backend(config, tmp_path)
+        check_launch(config)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")     # 2 x 2 would be nodes (test_train_nodes.py)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=3 does not divide the 4 ranks"):
-        make_backend(config, tmp_path)
+        check_launch(config)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     config = load_config(None, dict(DYNAMIC, **{"train.batch_size": "6"}))
     with pytest.raises(ValueError, match="train.batch_size=6"):
-        make_backend(config, tmp_path)
+        check_launch(config)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moescale.train.backends import train_distributed
+from moescale.train.launch import train_distributed
 from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics

@@ -10,7 +10,7 @@ logs the modelled load over all 4 devices; the consolidated checkpoint of the 2 
 resumes in one process, and a single-process checkpoint on 2 x 2, with the uninterrupted
 losses; two torchrun agents as the two machines
 of `torchrun --nnodes 2` (node_size 0) give the single-process losses too; bad node layouts are ValueErrors that
-name the fix (node_layout on its own, through make_backend, and the config)."""
+name the fix (node_layout on its own, through check_launch, and the config)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 
 from moescale.parallel.launch import free_port, run_local
 from moescale.parallel.nodes import node_layout, node_share
-from moescale.train.backends import make_backend
+from moescale.train.exchange import check_launch
 from moescale.train.config import load_config, to_dict
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
@@ -42,7 +42,7 @@ def _train_rank(rank: int, world: int, tree: dict, run_dir: str):
     config = load_config(None, None, base=tree)
     trainer = Trainer(config, run_dir, out=open(os.devnull, "w"), err=open(os.devnull, "w"))
     code = trainer.run()
-    backend = trainer.backend
+    backend = trainer.parts.exchange
     if backend.layout.local_rank != 0:
         return code, None, None
     state = [x.store.shared_state()[x.layer_index] for x in backend.layers]
@@ -160,14 +160,14 @@ def test_node_layouts_and_shares():
     assert [len(s) for s in shares] == [3, 2, 2]
 
 
-def test_make_backend_refuses_a_bad_node_size(tmp_path, monkeypatch):
+def test_check_launch_refuses_a_bad_node_size(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
     config = load_config(None, dict(NODES, **{"parallel.node_size": "3"}))
     with pytest.raises(ValueError, match="node_size=3 does not divide the 4 ranks"):
-        make_backend(config, tmp_path)
+        check_launch(config)
     with pytest.raises(ValueError, match="parallel.node_size"):
         load_config(None, {"parallel.node_size": "2"}).check_supported()   # static placement
     with pytest.raises(ValueError, match="node_size"):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from moescale.cli import main as moescale_main
-from moescale.train.backends import train_distributed
+from moescale.train.launch import train_distributed
 from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics

@@ -1,0 +1,278 @@
+"""How a run exchanges tokens with its experts: on one process, expert-parallel, or placed per step.
+
+The first of the two library calls that prepare the model (moescale/train/assembly.py): the
+exchange shards the MoE layers over ranks (or not), then the residency (residency.py) decides
+where each rank's experts live. One class per exchange, none per combination:
+
+- `LocalExchange`: every expert on every rank. One process; or, under a multi-process launch
+  with `parallel.ep_size` 1, data-parallel replicas (gradients averaged over the world, which
+  is `StaticExchange` with ep_size 1).
+- `StaticExchange` (`parallel.ep_size` > 1, or any multi-process launch): FastMoE's static
+  expert parallelism, the experts split over the expert-parallel group, with MPipeMoE's
+  pipelined all-to-all when `parallel.chunks` / `parallel.reuse` ask (`setup_expert_parallel`'s
+  dispatchers). After backward the dense gradients are averaged over the world.
+- `DynamicExchange` (`parallel.placement dynamic`): ES-MoE's dynamic placement. The ranks of a
+  node share one host copy of the experts (in /dev/shm); every iteration each layer places them
+  by LPT on the node's ranks (`parallel.split`: hot experts' rows sharded). Its experts are
+  their own residency (the shared store), so it refuses offloading (`residency_error`).
+
+An exchange's `step_metrics` adds the modelled per-rank load to each step's record. Checkpoint
+translation (consolidated, single-process format) is in run_state.py.
+
+Legend: E experts of a layer, W world size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moescale.layers.moe import MoE
+from moescale.train.config import RunConfig
+from moescale.train.ranks import check_rows
+
+
+def _launch_error(what: str) -> ValueError:
+    return ValueError(f"parallel.placement='dynamic' {what}; launch with `torchrun "
+                      "--nproc-per-node N -m moescale train --parallel.placement dynamic ...` "
+                      "(or moescale.train.launch.train_distributed)")
+
+
+def check_launch(config: RunConfig) -> None:
+    """Refuse, before any process group exists, a launch the exchange cannot run on (dynamic
+    placement: one process, a node size that does not divide the ranks, rows that do not
+    split evenly)."""
+    import torch.distributed as dist
+
+    from moescale.parallel.nodes import node_layout
+    from moescale.train.ranks import world_size_of_launch
+
+    if config.parallel.placement != "dynamic":
+        return
+    world = world_size_of_launch()
+    if world == 1 and "RANK" not in os.environ:
+        raise _launch_error("needs the processes of a distributed launch")
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    node_layout(world, rank, config.parallel.node_size, os.environ)
+    check_rows(config.train.batch_size, world)
+
+
+class LocalExchange:
+    """Every expert on this process; no exchange (see the module docstring)."""
+
+    kind = "local"
+    groups = None
+
+    def prepare(self, model) -> None:
+        pass
+
+    def sync_grads(self, model) -> None:
+        pass
+
+    def begin_micro_batch(self, last: bool) -> None:
+        pass
+
+    def step_metrics(self, model, counts_LE) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+class StaticExchange:
+    """Experts split over the ranks of an expert-parallel group (plain or pipelined)."""
+
+    kind = "static"
+
+    def __init__(self, config: RunConfig, ranks) -> None:
+        from moescale.models import gpt_config
+        from moescale.parallel.groups import ParallelConfig, init_distributed
+
+        pc = config.parallel
+        experts = config.model.num_experts or gpt_config(config.model.size).num_experts
+        if experts % pc.ep_size:
+            raise ValueError(f"parallel.ep_size={pc.ep_size} does not divide model.num_experts="
+                             f"{experts}; choose num_experts as a multiple of ep_size")
+        world = ranks.world_size
+        if world < pc.ep_size or world % pc.ep_size:
+            raise ValueError(f"parallel.ep_size={pc.ep_size} needs a multiple of {pc.ep_size} "
+                             f"processes, but {world} {'is' if world == 1 else 'are'} running; "
+                             f"launch with `torchrun --nproc-per-node {pc.ep_size} -m moescale "
+                             "train ...` (or moescale.train.launch.train_distributed)")
+        check_rows(config.train.batch_size, world)
+        self.pconfig = ParallelConfig(ep_size=pc.ep_size, timeout_s=pc.timeout_s,
+                                      chunks=pc.chunk_count(), reuse=pc.reuse)
+        self.groups = init_distributed(self.pconfig)
+
+    def prepare(self, model) -> None:
+        from moescale.parallel.expert_parallel import expert_parallel_model
+        from moescale.parallel.setup import dispatcher_factory
+
+        expert_parallel_model(model, self.groups, dispatcher_factory(self.groups, self.pconfig))
+
+    def sync_grads(self, model) -> None:
+        from moescale.parallel.grad_sync import allreduce_gradients
+
+        allreduce_gradients(model, self.groups)
+
+    def begin_micro_batch(self, last: bool) -> None:
+        pass
+
+    def step_metrics(self, model, counts_LE) -> dict:
+        """Static placement's modelled per-rank load (rows) from the routed counts."""
+        from moescale.parallel.dynamic import static_load_stats
+
+        if not counts_LE or self.groups.ep_size == 1:
+            return {}    # every rank holds every expert: no per-rank expert load
+        stats = static_load_stats(counts_LE, self.groups.ep_size)
+        return {f"device_load_{k}": v for k, v in stats.items()}
+
+    def describe(self) -> str:
+        g, pc = self.groups, self.pconfig
+        return (f"experts split over {g.ep_size} expert-parallel ranks ({g.world_size} in all; "
+                f"chunks {pc.chunks}, reuse {pc.reuse})")
+
+    def close(self) -> None:
+        pass
+
+
+class DynamicExchange:
+    """The ranks of a node share the experts; each iteration LPT places them; nodes hold
+    replicas (see the module docstring and docs/dynamic_placement.md)."""
+
+    kind = "dynamic"
+
+    def __init__(self, config: RunConfig, ranks) -> None:
+        import torch.distributed as dist
+
+        from moescale.parallel.groups import ParallelConfig, init_distributed
+        from moescale.parallel.nodes import node_layout
+
+        check_launch(config)
+        self.layout = node_layout(ranks.world_size, ranks.rank, config.parallel.node_size,
+                                  os.environ)
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            raise ValueError(f"parallel.placement='dynamic' computes experts on the host copy "
+                             f"and needs the gloo backend; the process group uses "
+                             f"{dist.get_backend()}")
+        if config.train.device == "auto":
+            config.train.device = "cpu"    # the shared-store experts compute on the host
+        self.config = config
+        # ep_group: the node's L consecutive ranks; dp_group: the same local rank on every node
+        self.groups = init_distributed(ParallelConfig(ep_size=self.layout.node_size,
+                                                      backend="gloo",
+                                                      timeout_s=config.parallel.timeout_s))
+        self.ranks = ranks
+        self.store = None
+        self.layers = []             # SharedStoreExperts, store layer order
+        self.named = []              # (name, MoE) in the single-process model
+        self._calls = []             # placement_stats of this step's micro-batches
+        self._micro = 0
+        self._model = None
+
+    def prepare(self, model) -> None:
+        import torch.distributed as dist
+
+        from moescale.parallel.dynamic_experts import dynamic_placement_moe
+        from moescale.parallel.node_store import node_expert_store
+        from moescale.parallel.placement import PlacementConfig
+
+        self.named = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+        node = self.groups.ep_group
+        self.store = node_expert_store([m for _, m in self.named], node, node=self.layout.node)
+        index = {id(m): i for i, (_, m) in enumerate(self.named)}
+        placement = PlacementConfig(num_devices=self.layout.node_size,
+                                    split=self.config.parallel.split)
+        rng = torch.get_rng_state()     # building layers must not shift the run's RNG stream
+        for module in list(model.modules()):
+            for cname, child in list(module.named_children()):
+                if isinstance(child, MoE) and id(child) in index:
+                    setattr(module, cname, dynamic_placement_moe(
+                        child, self.store, index[id(child)], node, placement,
+                        stats_group=dist.group.WORLD))
+        torch.set_rng_state(rng)
+        self.layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
+        self._model = model
+        assert [x.layer_index for x in self.layers] == list(range(len(self.named)))
+
+    def step_handle(self):
+        """The expert-step handle of the shared store (its experts' residency)."""
+        from moescale.parallel.dynamic_step import SharedStoreStep
+
+        return SharedStoreStep(self.layers, self.layout, self.groups)
+
+    def sync_grads(self, model) -> None:
+        from moescale.parallel.grad_sync import allreduce_gradients
+
+        allreduce_gradients(model, self.groups)   # after it every backward has finished
+
+    def begin_micro_batch(self, last: bool) -> None:
+        self._collect(keep=self._micro > 0)   # the first one drops evaluation's calls
+        self._micro += 1
+
+    def _collect(self, keep: bool) -> None:
+        from moescale.parallel.dynamic import DynamicPlacementDispatcher, placement_stats
+
+        stats = placement_stats(self._model)
+        if keep and stats:
+            self._calls.append(stats)
+        for module in self._model.modules():
+            if isinstance(getattr(module, "dispatcher", None), DynamicPlacementDispatcher):
+                module.dispatcher.stats = None
+
+    def step_metrics(self, model, counts) -> dict:
+        import torch.distributed as dist
+
+        from moescale.parallel.dynamic import static_load_stats
+
+        self._collect(keep=True)
+        calls, self._calls, self._micro = self._calls, [], 0
+        max_load = sum(c["placement_max_load"] for c in calls)
+        mean_load = sum(c["placement_mean_load"] for c in calls)
+        worst = max((c["placement_max_over_mean"] for c in calls), default=1.0)
+        split = sum(c["placement_split_experts"] for c in calls)
+        if self.layout.num_nodes > 1:     # the busiest node's max, the mean over all devices
+            dp = self.groups.dp_group
+            max_load, worst = self.ranks.all_reduce(
+                torch.tensor([max_load, worst], dtype=torch.float64), dist.ReduceOp.MAX, dp,
+                "placement-statistics all-reduce").tolist()
+            mean_load, split = self.ranks.all_reduce(
+                torch.tensor([mean_load, split], dtype=torch.float64), dist.ReduceOp.SUM, dp,
+                "placement-statistics all-reduce").tolist()
+            mean_load /= self.layout.num_nodes
+        out = {"device_load_max": max_load, "device_load_mean": mean_load,
+               "device_load_max_over_mean": max_load / mean_load if mean_load > 0 else 1.0,
+               "device_load_worst_layer": worst, "split_experts": int(split)}
+        world = self.ranks.world_size
+        if counts and all(len(c) % world == 0 for c in counts):
+            static = static_load_stats(counts, world)
+            out.update({f"static_load_{k}": v for k, v in static.items()})
+        return out
+
+    def describe(self) -> str:
+        from moescale.offload.planner import fmt_bytes
+
+        nbytes = sum(x.records().numel() * 4 for x in self.layers)
+        how = "LPT + hot-expert splitting" if self.config.parallel.split else "LPT"
+        nodes = self.layout.num_nodes
+        where = "" if nodes == 1 else (f" on each of {nodes} nodes (replicas, gradients "
+                                       f"averaged across nodes)")
+        return (f"experts in one host copy shared by the {self.layout.node_size} local "
+                f"ranks{where} ({fmt_bytes(nbytes)} in /dev/shm: weights, gradients, AdamW "
+                f"moments), placed each iteration by {how}")
+
+    def close(self) -> None:
+        self.store = None     # the mapping goes with the last reference (the file is gone)
+
+
+def make_exchange(config: RunConfig, ranks):
+    """The exchange `config.parallel` asks for on these ranks."""
+    if config.parallel.placement == "dynamic":
+        return DynamicExchange(config, ranks)
+    if config.parallel.ep_size > 1 or ranks.world_size > 1:
+        return StaticExchange(config, ranks)
+    return LocalExchange()

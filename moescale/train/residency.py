@@ -1,0 +1,230 @@
+"""Where a run's experts live: resident on the device, or offloaded to an ExpertStore.
+
+The second library call that prepares the model (moescale/train/assembly.py), after the
+exchange: `Resident` leaves the experts as parameters (the dense optimizer steps them; its
+step handle only clips); `Offloaded` (`offload.mode` host | pin | disk | auto) moves each
+rank's experts (all of them, or its expert-parallel shard) into that rank's own ExpertStore
+with `offload_moe`, *before* the dense optimizer is built, so AdamW only sees dense
+parameters. Its step handle (`OffloadStep`) follows the dense optimizer's learning rate, is
+told which micro-batch is the last one, clips by the global norm over dense and expert
+gradients (summed over the expert-parallel group when there is one) and steps the experts on
+the host. The disk tier builds the experts on the meta device (`expert_device`), so they go
+straight to their files, and refuses at start when the disk cannot hold them and the
+checkpoints that stop sharing them.
+
+Each rank's store (disk tier) lives under `<offload.disk_dir or run_dir/expert-store>`, in
+`rank<r>/` on a multi-process run. Checkpoint hooks (the store written into
+`checkpoints/store_<step>/`) are in run_state.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from moescale.expert_step import ResidentStep
+from moescale.layers.moe import MoE
+from moescale.offload.direct_io import align_up
+from moescale.offload.store import default_host_cache
+from moescale.train.config import RunConfig, parse_bytes
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _moes(model) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _local_experts(moe: MoE) -> int:
+    """The experts this rank holds of a layer (an expert-parallel shard holds its own)."""
+    return max(1, getattr(moe.experts, "num_local_experts", moe.num_experts))
+
+
+class Resident:
+    """Every expert a parameter of the model, on the device."""
+
+    kind = "resident"
+    engine = None
+
+    def expert_device(self) -> str | None:
+        return None
+
+    def prepare(self, model, exchange) -> ResidentStep:
+        return ResidentStep(exchange.groups)
+
+    def describe(self, device) -> tuple[str, str]:
+        return "device-only", f"device-only (every expert resident on {device})"
+
+    def close(self) -> None:
+        pass
+
+
+class Offloaded:
+    """This rank's experts in its own ExpertStore, streamed through a device budget."""
+
+    kind = "offloaded"
+
+    def __init__(self, config: RunConfig, run_dir: Path, ranks) -> None:
+        oc = config.offload
+        self.config, self.run_dir, self.ranks = config, run_dir, ranks
+        self.disk_dir = Path(oc.disk_dir) if oc.disk_dir else run_dir / "expert-store"
+        if ranks.world_size > 1:
+            self.disk_dir = self.disk_dir / f"rank{ranks.rank}"
+            if oc.mode == "disk":
+                self.disk_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = None
+        self.pick = None
+        self.estimates = None
+
+    def expert_device(self) -> str | None:
+        """The disk tier's experts of one process are built on the meta device: they go
+        straight to their files (initialised one at a time), never to RAM. (An expert-parallel
+        rank builds the layer, keeps its shard and offloads it.)"""
+        local = self.ranks.world_size == 1
+        return "meta" if self.config.offload.mode == "disk" and local else None
+
+    def _offload_config(self, model):
+        from moescale.offload import OffloadConfig
+
+        oc, tc = self.config.offload, self.config.train
+        tier = {"pin": "host", "host": "host", "disk": "disk", "auto": "auto"}[oc.mode]
+        device_bytes = parse_bytes(oc.device_budget, "offload.device_budget")
+        experts = oc.device_budget_experts
+        if device_bytes is None and experts is None and tier != "auto":
+            experts = 3.0    # double-buffered uploads in forward and in backward
+        kw = dict(tier=tier, compute_dtype=PRECISION_DTYPES[tc.precision],
+                  activation_policy=oc.activation_policy, step_mode=oc.step_mode,
+                  lookahead=oc.lookahead, device_budget_bytes=device_bytes,
+                  device_budget_experts=experts,
+                  pin_fraction=0.25 if oc.mode == "pin" else 0.0)
+        host_cache = parse_bytes(oc.host_cache, "offload.host_cache")
+        if tier in ("disk", "auto"):
+            if not oc.disk_dir:
+                self.disk_dir.mkdir(parents=True, exist_ok=True)
+            kw["directory"] = str(self.disk_dir)
+        if tier == "disk" and host_cache is None:
+            record = max(16 * sum(p.numel() for p in m.experts.parameters()) //
+                         _local_experts(m) for m in _moes(model))
+            total = sum(16 * sum(p.numel() for p in m.experts.parameters())
+                        for m in _moes(model))
+            host_cache = default_host_cache(record, total)
+        kw["host_cache_bytes"] = host_cache
+        if tier == "auto":
+            kw.update(tokens_per_micro_batch=tc.batch_size * tc.seq_len,
+                      host_budget_bytes=parse_bytes(oc.host_budget, "offload.host_budget"),
+                      rates=oc.rates)
+        return OffloadConfig(**kw)
+
+    def prepare(self, model, exchange):
+        """Offload the (exchanged) model's experts; returns the step handle."""
+        from moescale.offload import offload_moe
+        from moescale.offload.stepping import OffloadStep
+
+        cfg = self._offload_config(model)
+        meta = any(p.is_meta for p in model.parameters())
+        if cfg.tier == "disk":
+            self._check_disk_room(model)
+        try:
+            self.engine = offload_moe(model, cfg,
+                                      expert_init=model.expert_init if meta else None)
+        except ValueError as err:
+            raise ValueError(f"offload.mode={self.config.offload.mode!r}: {err}") from None
+        if self.engine.plan is not None:    # the planner's pick for tier="auto"
+            self.estimates, self.pick = self.engine.plan
+        reduce = None
+        if exchange.groups is not None:     # disjoint shards: the norm sums over the EP group
+            group = exchange.groups.ep_group
+            reduce = lambda sq: self.ranks.all_reduce(   # noqa: E731
+                sq.reshape(1), group=group, what="expert grad-norm all-reduce")[0]
+        return OffloadStep(self.engine, reduce)
+
+    def _check_disk_room(self, model) -> None:
+        """Refuse at start when the disk cannot hold the expert files and the checkpoints that
+        stop sharing them. A disk-tier checkpoint hard-links the store's files; the steps after
+        it write new ones, so each kept checkpoint of a periodic series holds a full copy
+        (one at the end only, hard-linked, costs nothing)."""
+        tc = self.config.train
+        if not self.disk_dir.is_dir():
+            return   # the store names the missing directory itself
+        state = 0
+        for m in _moes(model):
+            local = _local_experts(m)
+            numel = sum(p.numel() for p in m.experts.parameters()) // local
+            state += 4 * align_up(4 * numel) * local
+        periodic = 0 < tc.checkpoint_interval < tc.steps
+        copies = tc.keep_last if periodic else 0
+        ckpt_dir = self.run_dir / "checkpoints"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        same_fs = os.stat(ckpt_dir).st_dev == os.stat(self.disk_dir).st_dev
+        stale = dir_bytes(self.disk_dir)   # a previous run's files, replaced at start
+        needs = [(self.disk_dir, state * (1 + copies) if same_fs else state, stale)]
+        if not same_fs:   # checkpoints are then copies, each a full one
+            needs.append((ckpt_dir, state * max(1, tc.keep_last), 0))
+        for where, need, reusable in needs:
+            free = shutil.disk_usage(where).free + reusable
+            if free < need:
+                raise ValueError(
+                    f"offload.mode='disk' needs {need / 2**30:.1f} GiB under {str(where)!r} "
+                    f"(expert state {state / 2**30:.1f} GiB"
+                    f"{f' x (1 + train.keep_last={copies})' if copies and same_fs else ''}) but "
+                    f"{free / 2**30:.1f} GiB are free; set train.checkpoint_interval 0 (one "
+                    "checkpoint at the end, hard-linked: no extra space), lower train.keep_last, "
+                    "or free space")
+
+    def describe(self, device) -> tuple[str, str]:
+        from moescale.offload.planner import fmt_bytes
+
+        cfg, store = self.engine.config, self.engine.store
+        budget = self.engine.device.budget_bytes
+        itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
+        expert = max(lay.numel for lay in store.layouts) * itemsize
+        where = {"host": "host RAM", "disk": f"disk ({cfg.directory}, host cache "
+                 f"{fmt_bytes(store.config.host_cache_bytes or 0)})"}[cfg.tier]
+        shown = "unbounded" if budget is None else \
+            f"{fmt_bytes(budget)} = {budget / expert:.1f} experts"
+        text = (f"experts in {where}, device budget {shown}"
+                f", {cfg.step_mode} steps, activations {cfg.activation_policy}"
+                + (f", hottest {cfg.pin_fraction:.0%} pinned" if cfg.pin_fraction else ""))
+        if self.pick is None:
+            return self.config.offload.mode, text
+        predicted = "; ".join(f"{e.mode} {e.step_s:.3g} s{'' if e.fits else ' (no fit)'}"
+                              for e in self.estimates)
+        return f"auto:{self.pick}", (f"auto -> planner picked '{self.pick}' (predicted step: "
+                                     f"{predicted}): {text}")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def make_residency(config: RunConfig, run_dir: Path, ranks, exchange):
+    """The residency `config.offload` asks for; an exchange that keeps its experts in its own
+    store (dynamic placement) refuses offloading itself."""
+    if config.offload.mode == "device-only":
+        return Resident()
+    if exchange.kind == "dynamic":
+        raise ValueError(f"parallel.placement='dynamic' with offload.mode="
+                         f"{config.offload.mode!r} is not supported yet: dynamic placement "
+                         "keeps the experts in its own host store shared by the local ranks; "
+                         "use offload.mode device-only")
+    if ranks.world_size > 1 and exchange.groups.world_size != exchange.groups.ep_size:
+        raise ValueError(f"offload.mode={config.offload.mode!r} with {ranks.world_size} "
+                         f"processes and parallel.ep_size={exchange.groups.ep_size}: offloaded "
+                         "expert shards are not replicated over data-parallel ranks; "
+                         f"set parallel.ep_size {ranks.world_size} (one shard per rank)")
+    return Offloaded(config, run_dir, ranks)
