@@ -26,6 +26,8 @@ BENCHMARKS = {
                   "pipelined all-to-all: real per-rank peak vs formula, step time, auto pick"),
     "ep-speed": ("moescale.bench.ep_speed",
                  "pipelined all-to-all: step time per chunk count, tuner pick, overlap"),
+    "ep-offload": ("moescale.bench.ep_offload",
+                   "pipelined EP with host-tier experts vs the unpipelined offloaded path"),
 }
 
 

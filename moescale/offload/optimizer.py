@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 from torch.optim.adamw import adamw
 
+from moescale.devices import Transfer
 from moescale.offload.records import ALL, G, STATE
 from moescale.offload.store import ExpertStore, Key
 
@@ -134,7 +135,7 @@ class HostOptimizer:
 
     def _accumulate(self, key: Key, grads, on_done) -> None:
         try:
-            if hasattr(grads, "wait"):  # a device -> host Transfer
+            if isinstance(grads, Transfer):  # a device -> host copy still in flight
                 grads = grads.wait()
             rec = self.store.acquire(key, G)
             try:
