@@ -16,6 +16,7 @@ from moescale.bench import cli
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.slow
 def test_ep_memory_runs_every_configuration_and_checks_equality(tmp_path):
     """A tiny layer: resident-set peaks are page noise there, so only the run, the coverage,
     the report's fields and the output/gradient equality are checked (the memory targets are

@@ -43,6 +43,7 @@ def test_offload_bench_needs_two_runs():
         offload.main([*TINY, "--runs", "1"])
 
 
+@pytest.mark.slow
 def test_plan_check_host_and_disk_rows_and_the_comparison_with_a_previous_run(tmp_path):
     out = tmp_path / "plan.json"
     argv = ["--configs", "host:1:16:32:4:32,disk:2:48:200:4:64", "--runs", "2",

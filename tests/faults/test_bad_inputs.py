@@ -268,6 +268,7 @@ def test_bad_input_is_one_line_exit_2(case, args, expect, files, corpus, tmp_pat
     _check(code, capsys.readouterr().err, expect, files)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bad_input_through_the_real_command(files, corpus, tmp_path):
     rows = {row[0]: row for row in BAD}

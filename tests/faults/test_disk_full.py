@@ -52,6 +52,7 @@ def _resume_to_the_end(launcher, run_dir, tmp_path, reference):
     assert losses(run_dir) == reference
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_full_disk_mid_run_stops_in_one_line_and_resumes_bitwise(launcher, corpus, reference,
                                                                  tmp_path):
@@ -64,6 +65,7 @@ def test_full_disk_mid_run_stops_in_one_line_and_resumes_bitwise(launcher, corpu
     _resume_to_the_end(launcher, run_dir, tmp_path, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("chattr") is None, reason="needs chattr")
 def test_read_only_checkpoint_folder_mid_run_stops_in_one_line(launcher, corpus, reference,

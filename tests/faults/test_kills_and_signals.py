@@ -28,6 +28,7 @@ from moescale.train.checkpoint import list_checkpoints, load_checkpoint
 KILLS = 20
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_kill9_during_checkpoint_writes_resumes_bitwise(launcher, corpus, reference, tmp_path):
     result = kill_resume_loop(launcher, corpus, tmp_path / "run", steps=STEPS, kills=KILLS)
@@ -39,6 +40,7 @@ def test_kill9_during_checkpoint_writes_resumes_bitwise(launcher, corpus, refere
     assert result.losses == reference                           # bit for bit
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_sigterm_saves_a_checkpoint_and_resumes_bitwise(launcher, corpus, reference, tmp_path):
     run_dir = tmp_path / "run"
@@ -55,6 +57,7 @@ def test_sigterm_saves_a_checkpoint_and_resumes_bitwise(launcher, corpus, refere
     assert losses(run_dir) == reference
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigterm_of_the_real_command_during_a_run(corpus, tmp_path):
     """The installed entry point (`python -m moescale`), not a fork: SIGTERM -> 143 and a
@@ -84,9 +87,11 @@ def _dynamic_args(corpus, run_dir):
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("victim,sig", [(0, signal.SIGTERM), (0, signal.SIGKILL),
-                                        (1, signal.SIGTERM), (1, signal.SIGKILL)],
-                         ids=["rank0-term", "rank0-kill", "rank1-term", "rank1-kill"])
+@pytest.mark.parametrize("victim,sig", [  # the fast lane keeps one: SIGKILL of rank 1
+    pytest.param(0, signal.SIGTERM, id="rank0-term", marks=pytest.mark.slow),
+    pytest.param(0, signal.SIGKILL, id="rank0-kill", marks=pytest.mark.slow),
+    pytest.param(1, signal.SIGTERM, id="rank1-term", marks=pytest.mark.slow),
+    pytest.param(1, signal.SIGKILL, id="rank1-kill")])
 def test_dynamic_rank_stopped_during_store_setup_leaves_no_shm_file(launcher, corpus, tmp_path,
                                                                      victim, sig):
     before = shm_stores()

@@ -34,19 +34,26 @@ def check(config: OffloadConfig, accum: int, clip=None, glu=False):
     return engine
 
 
+def settings(fast: set[tuple[str, int, str]]) -> list:
+    """Every (mode, accum, policy); those not in `fast` are marked slow (the fast lane keeps a
+    few that together take every value of each axis, the full suite runs them all)."""
+    return [pytest.param(m, a, p, id=f"{m}-{a}-{p}",
+                         marks=() if (m, a, p) in fast else pytest.mark.slow)
+            for m in ("eager", "deferred") for a in (1, 4)
+            for p in ("keep", "recompute", "offload")]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", ["keep", "recompute", "offload"])
-@pytest.mark.parametrize("accum", [1, 4])
-@pytest.mark.parametrize("mode", ["eager", "deferred"])
+@pytest.mark.parametrize("mode,accum,policy", settings({("eager", 1, "keep"),
+                                                        ("deferred", 4, "recompute")}))
 def test_host_tier_matches_resident(mode, accum, policy):
     check(OffloadConfig(tier="host", device_budget_experts=2, step_mode=mode,
                         activation_policy=policy), accum)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", ["keep", "recompute", "offload"])
-@pytest.mark.parametrize("accum", [1, 4])
-@pytest.mark.parametrize("mode", ["eager", "deferred"])
+@pytest.mark.parametrize("mode,accum,policy", settings({("deferred", 1, "offload"),
+                                                        ("eager", 1, "recompute")}))
 def test_disk_tier_matches_resident(tmp_path, mode, accum, policy):
     record = 4 * 4 * (16 * 32 * 2)  # one expert's fp32 master + grad + two moments
     engine = check(OffloadConfig(tier="disk", directory=str(tmp_path), host_cache_bytes=3 * record,

@@ -81,7 +81,8 @@ def test_row_layout_covers_every_row_under_a_random_placement():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world, placement", [(4, "lpt"), (2, "random")])
+@pytest.mark.parametrize("world, placement", [pytest.param(4, "lpt", marks=pytest.mark.slow),
+                                              (2, "random")])
 def test_training_equals_single_process_offloaded(world, placement):
     """20 AdamW steps of a tiny GPT on 4 ranks (LPT + split) and on 2 ranks (random
     placements that split experts at random points) equal single-process offloaded training

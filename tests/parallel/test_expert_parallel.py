@@ -62,7 +62,9 @@ def test_split_ranks_and_config_errors():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (4, 2)])
+@pytest.mark.parametrize("world,ep_size", [  # the fast lane keeps 2 ranks
+    (2, None), pytest.param(4, None, marks=pytest.mark.slow),
+    pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_matches_single_process_reference(world, ep_size):
     results = run_local(check_against_reference, world, (_cases(world), ep_size),
                         timeout_s=20, deadline_s=80)
@@ -70,7 +72,7 @@ def test_matches_single_process_reference(world, ep_size):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["die", "stall"])
+@pytest.mark.parametrize("mode", ["die", pytest.param("stall", marks=pytest.mark.slow)])
 def test_dead_or_stalled_rank_fails_fast(mode):
     timeout_s = 3.0
     results = run_local(die_or_dispatch, 2, (mode, timeout_s), timeout_s=timeout_s,
@@ -116,7 +118,7 @@ def _pipeline_cases(world: int) -> list[dict]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pipelined_matches_reference(world):
     cases = _pipeline_cases(world)
     results = run_local(check_against_reference, world, (cases, None), timeout_s=20,
@@ -124,6 +126,7 @@ def test_pipelined_matches_reference(world):
     assert all(len(r.value) == len(cases) for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_pipelined_with_expert_replicas():
     """4 ranks = 2 EP groups x 2 replicas: the pipeline runs on the EP subgroups, expert grads
@@ -162,7 +165,8 @@ def test_online_tuner_same_choice_on_every_rank():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pipelined,steps", [(False, 20), (True, 3)])
+@pytest.mark.parametrize("pipelined,steps", [pytest.param(False, 20, marks=pytest.mark.slow),
+                                             (True, 3)])
 def test_two_rank_training_matches_single_process(pipelined, steps):
     results = run_local(train_gpt, 2, (steps, pipelined), timeout_s=30, deadline_s=110)
     for rank_result in results:

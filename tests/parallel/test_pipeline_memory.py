@@ -17,7 +17,7 @@ from moescale.parallel.launch import run_local
 from moescale.parallel.memory_model import (LayerShape, pipelined_peak_bytes,
                                             unpipelined_peak_bytes)
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(180)]
 
 ARGS = dict(tokens=2048, d_model=256, d_ff=1024, experts=8)
 CONFIGS = [dict(chunks=0, strategy=None), dict(chunks=4, strategy="none"),

@@ -8,7 +8,7 @@ import pytest
 
 from moescale.parallel.launch import free_port
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.mark.timeout(90)

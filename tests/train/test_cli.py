@@ -21,6 +21,7 @@ from moescale.train.trainer import Trainer
 from train_helpers import TINY, as_argv, moescale_cmd, small_corpus
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_short_run_through_the_cli_leaves_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
@@ -87,6 +88,7 @@ def test_missing_and_empty_data_paths(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and word in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bad_input_in_a_real_process(tmp_path):
     proc = subprocess.run(moescale_cmd("train", "--model.num_experts", "-1"), capture_output=True,
@@ -103,6 +105,7 @@ def test_help_lists_options(capsys):
     assert "--model.num_experts" in out and "tiny: 8" in out and "--resume" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigint_saves_a_checkpoint_and_resume_continues_exactly(tmp_path):
     corpus = small_corpus(tmp_path / "corpus")
