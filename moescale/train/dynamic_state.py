@@ -1,13 +1,12 @@
-"""Dynamic placement's checkpoints in the single-process format.
+"""Dynamic placement resuming from a consolidated checkpoint (the format before sharded ones).
 
 Under dynamic placement (train/exchange.py `DynamicExchange`) the experts live in the node's
 shared store, not in the model, and the dense optimizer holds dense parameters only. A
-checkpoint is nevertheless the single-process one: expert weights (model state) and their
-AdamW moments and step counts (optimizer state, at the single-process parameter indices) are
-read from (node 0's) store, and the dense optimizer's entries are renumbered to the
-single-process indices, so such a checkpoint resumes at any layout and a single-process
-checkpoint resumes here. On resume every node's local rank 0 writes the experts into its
-store (the trainer's barrier follows before anyone reads).
+consolidated checkpoint (legacy_state.py) holds the single-process state: expert weights
+(model state) and their AdamW moments and step counts (optimizer state, at the single-process
+parameter indices); the dense optimizer's entries are renumbered to this process's indices, and
+every node's local rank 0 writes the experts into its store (the trainer's barrier follows
+before anyone reads).
 
 Legend: E experts of a layer, P parameters of one expert.
 """
@@ -24,7 +23,7 @@ STORE_ROWS = {"exp_avg": 2, "exp_avg_sq": 3}   # offload.store EXP_AVG, EXP_AVG_
 
 
 class DynamicState:
-    """Translation between the shared store + dense optimizer and the single-process format."""
+    """Loads a consolidated checkpoint into the shared store + dense optimizer."""
 
     def __init__(self, exchange, model_before_prepare) -> None:
         self.exchange = exchange
@@ -60,11 +59,6 @@ class DynamicState:
         return layer, (lambda row: layer.records()[:, row, off:off + lay.sizes[i]]), \
             (layer.num_experts, *lay.shapes[i])
 
-    def _expert_tensor(self, key: str, row: int) -> torch.Tensor:
-        """The single-process tensor [E, ...] of store row `row` (0 masters, 2/3 moments)."""
-        _, view, shape = self._slot(key)
-        return view(row).reshape(shape).clone()
-
     def _write_expert(self, key: str, row: int, value: torch.Tensor) -> None:
         layer, view, shape = self._slot(key)
         if tuple(value.shape) != shape:
@@ -74,12 +68,6 @@ class DynamicState:
 
     def _step_t(self, layer_index: int, e: int) -> torch.Tensor:
         return self.exchange.store.acquire((layer_index, e)).step_t
-
-    def model_state(self, model):
-        state = dict(model.state_dict())
-        for key in self.expert_keys:
-            state[key] = self._expert_tensor(key, 0)
-        return state
 
     def load_model_state(self, model, state) -> None:
         state = dict(state)
@@ -96,38 +84,6 @@ class DynamicState:
         full = self.full_order[0] + self.full_order[1]
         local = {n: i for i, n in enumerate(self.local_order[0] + self.local_order[1])}
         return full, local
-
-    def optimizer_tensors(self, tensors):
-        """Dense moments renumbered to the single-process indices, plus the experts'."""
-        full, local = self._pid_maps()
-        by_local = {}
-        for name, value in tensors.items():
-            _, pid, key = name.split(".", 2)
-            by_local.setdefault(int(pid), {})[key] = value
-        out = {}
-        for full_pid, pname in enumerate(full):
-            if pname in self.expert_keys:
-                layer_index = self.expert_keys[pname][0]
-                step_t = self._step_t(layer_index, 0)
-                if float(step_t) == 0:
-                    continue     # not stepped yet: no state, as torch's AdamW
-                out[f"optim.{full_pid}.step"] = step_t.clone()
-                for key, row in STORE_ROWS.items():
-                    out[f"optim.{full_pid}.{key}"] = self._expert_tensor(pname, row)
-            else:
-                for key, value in by_local.get(local[pname], {}).items():
-                    out[f"optim.{full_pid}.{key}"] = value
-        return out
-
-    def optimizer_groups(self, rest: dict) -> dict:
-        full, local = self._pid_maps()
-        index = {n: i for i, n in enumerate(full)}
-        inverse = {i: n for n, i in local.items()}
-        groups = [dict(g, params=[index[n] for n in names])
-                  for g, names in zip(rest["param_groups"], self.full_order)]
-        scalars = {f"{index[inverse[int(k.split('.', 1)[0])]]}.{k.split('.', 1)[1]}": v
-                   for k, v in rest["scalars"].items()}
-        return {"param_groups": groups, "scalars": scalars}
 
     def local_optimizer_groups(self, rest: dict) -> dict:
         full, local = self._pid_maps()

@@ -56,18 +56,18 @@ from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.offload.planner import fmt_bytes
 from moescale.train.assembly import assemble
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
-                                       nonfinite, optimizer_from_flat, optimizer_to_flat,
-                                       save_checkpoint, sweep_temp_files, verified_checkpoints)
-from moescale.train.config import RunConfig, parse_bytes, to_dict, to_toml
+                                       nonfinite, save_checkpoint, sweep_temp_files,
+                                       verified_checkpoints)
+from moescale.train.config import RunConfig, to_dict, to_toml
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
-from moescale.train.limits import check_memory, check_run_dir, check_threads
+from moescale.train.limits import check_budget, check_memory, check_run_dir, check_threads
 from moescale.train.metrics import MetricsLog
 from moescale.train.optim import build_optimizer, lr_at, set_lr
+from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.summary import imbalance, load_text, summarise
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
-BYTES_PER_PARAM_DEVICE_ONLY = 16   # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,19 +88,6 @@ def build_model(config: RunConfig, vocab_size: int, expert_device=None) -> GPT:
     except ValueError as err:
         raise ValueError(f"model: {err}") from None
     return GPT(model_cfg, expert_device=expert_device)
-
-
-def check_budget(config: RunConfig, num_params: int) -> None:
-    """A device budget smaller than what device-only training holds is a user error."""
-    if config.offload.mode != "device-only":
-        return    # the offload engine checks its budget against one expert
-    budget = parse_bytes(config.offload.device_budget, "offload.device_budget")
-    need = num_params * BYTES_PER_PARAM_DEVICE_ONLY
-    if budget is not None and budget < need:
-        raise ValueError(
-            f"offload.device_budget={config.offload.device_budget!r} ({budget:,} bytes) is too "
-            f"small: device-only training of {num_params:,} parameters holds {need:,} bytes of "
-            "weights, gradients and AdamW state; raise the budget or use a smaller model")
 
 
 def _expert_counts(model: GPT) -> list[torch.Tensor]:
@@ -215,22 +202,19 @@ class Trainer:
         the store is verified before anything of it is loaded)."""
         warn = lambda m: print(m, file=self.err)   # noqa: E731
         for path, tensors, state in verified_checkpoints(self.ckpt_dir, warn):
-            model_sd = {k[len("model."):]: v for k, v in tensors.items()
-                        if k.startswith("model.")}
+            error = None
             try:
-                run_state = self.parts.state
-                run_state.load_model_state(self.model, model_sd)
-                optimizer_from_flat(self.optimizer, run_state.local_optimizer_tensors(tensors),
-                                    run_state.local_optimizer_groups(state["optimizer"]))
-                run_state.load_extra(self.ckpt_dir, state)
-            except StoreCheckpointError as err:
-                warn(f"warning: {str(err).splitlines()[0]}; trying the previous checkpoint")
-                continue
+                self.parts.state.load(self.ckpt_dir, tensors, state)
+            except StoreCheckpointError as err:     # every rank falls back together
+                error = err
             except (RuntimeError, KeyError, ValueError) as err:
                 raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
                                       f"({str(err).splitlines()[0]}); resume with the run's own "
                                       "config.toml") from None
-            break
+            if not self.ranks.any(error is not None):
+                break
+            reason = str(error).splitlines()[0] if error else "another rank's experts failed"
+            warn(f"warning: {reason}; trying the previous checkpoint")
         self.step = int(state["step"])
         self.batches.load_state(state["data_rng"])
         torch.set_rng_state(tensors["rng.torch"])
@@ -245,36 +229,40 @@ class Trainer:
         print(f"resumed from {path} (step {self.step})", file=self.err)
 
     def save(self) -> Path:
-        """Collective under expert parallelism (state is gathered); rank 0 writes."""
+        """Collective: every rank writes the experts it holds, then rank 0 the dense half and
+        the commit point (run_state.py)."""
         run_state = self.parts.state
-        tensors = {f"model.{k}": v for k, v in run_state.model_state(self.model).items()}
-        opt_tensors, opt_rest = optimizer_to_flat(self.optimizer)
-        tensors.update(run_state.optimizer_tensors(opt_tensors))
-        opt_rest = run_state.optimizer_groups(opt_rest)
+        tensors, opt_rest = run_state.dense_state()
         tensors["rng.torch"] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
-        state = {"step": self.step, "optimizer": opt_rest, "data_rng": self.batches.state(),
-                 "config": to_dict(self.config)}
+        state = {"step": self.step, "format": RUN_STATE_FORMAT, "optimizer": opt_rest,
+                 "data_rng": self.batches.state(), "config": to_dict(self.config)}
         path = checkpoint_path(self.ckpt_dir, self.step)
-        bad = nonfinite(tensors) if self.writer else None   # never written (nor the store)
+        bad = (nonfinite(tensors) if self.writer else None) or run_state.nonfinite_experts()
         if self.ranks.any(bad is not None):               # every rank stops, none waits
             raise TrainingDiverged(
                 f"refusing to write the checkpoint of step {self.step}: " +
-                (f"{bad[0]} holds {bad[1]:,} NaN or Inf values" if bad else "rank 0 found NaN "
-                 "or Inf") + "; the checkpoints already written are finite: lower optim.lr and "
-                f"continue with --resume {self.run_dir}")
-        failed = None
-        if self.writer:
+                (f"{bad[0]} holds {bad[1]:,} NaN or Inf values" if bad else "another rank found "
+                 "NaN or Inf") + "; the checkpoints already written are finite: lower optim.lr "
+                f"and continue with --resume {self.run_dir}")
+        failed = entry = None
+        try:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            entry = run_state.save_experts(self.ckpt_dir, self.step)     # first
+        except OSError as err:     # disk full, read-only: the older checkpoints stand
+            failed = err
+        entries = [e for e in self.ranks.gather_objects(entry) if e is not None]
+        shards_failed = self.ranks.any(failed is not None)
+        if self.writer and not shards_failed:
             try:
-                state.update(run_state.save_extra(self.ckpt_dir, self.step))  # first
-                path = save_checkpoint(self.ckpt_dir, self.step, tensors, state,
-                                       self.config.train.keep_last)   # the commit point
+                path = save_checkpoint(self.ckpt_dir, self.step, tensors, dict(
+                    state, expert_shards=entries), self.config.train.keep_last)   # commit
                 run_state.after_save(self.ckpt_dir)
-            except OSError as err:     # disk full, read-only: the older checkpoints stand
+            except OSError as err:
                 failed = err
-        if self.ranks.any(failed is not None):
-            reason = failed.strerror or str(failed) if failed is not None else "rank 0 failed"
+        if self.ranks.any(failed is not None) or shards_failed:
+            reason = failed.strerror or str(failed) if failed else "another rank failed"
             raise OSError(getattr(failed, "errno", None), f"could not write the checkpoint of "
                           f"step {self.step} in {str(self.ckpt_dir)!r} ({reason}); the "
                           "checkpoints already written are intact")

@@ -1,16 +1,17 @@
-"""A corrupt expert store in a disk-tier run's newest checkpoint: `--resume` names the
-corruption, falls back to the previous checkpoint whose dense half and store both verify, and
-then logs exactly the uninterrupted run's numbers; a store that is not the one saved with its
-checkpoint (LATEST pointing at another store) is refused the same way."""
+"""A corrupt expert shard in a disk-tier run's newest checkpoint: `--resume` names the
+corruption, falls back to the previous checkpoint whose dense half and expert shards both
+verify, and then logs exactly the uninterrupted run's numbers; a shard whose index is not the
+one its checkpoint names (edited after the commit) or that is missing is refused the same
+way."""
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 
 import pytest
 
-from moescale.offload.checkpoint import LATEST
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
 from train_helpers import tiny_run_config
@@ -38,24 +39,28 @@ def straight(corpus, tmp_path_factory):
     return _records(run_dir)
 
 
-def _flip_bit(store_dir):
-    path = next(store_dir.glob("expert-store-*/layer001/expert00002.bin"))
+def _flip_bit(shards_dir):
+    path = next(shards_dir.glob("rank*/layer001/expert00002.bin"))
     data = bytearray(path.read_bytes())
     data[403] ^= 0x40            # one exponent bit of one master weight
     path.write_bytes(bytes(data))
 
 
-def _latest_elsewhere(store_dir):
-    (store_dir / LATEST).write_text("expert-store-00000002")
-    (store_dir / "expert-store-00000002").mkdir()
+def _index_edited(shards_dir):
+    path = next(shards_dir.glob("rank*/index.json"))
+    path.write_text(path.read_text().replace('"format"', '"format" '))
 
 
-@pytest.mark.parametrize("damage", [_flip_bit, _latest_elsewhere])
+def _shard_missing(shards_dir):
+    shutil.rmtree(next(shards_dir.glob("rank*")))
+
+
+@pytest.mark.parametrize("damage", [_flip_bit, _index_edited, _shard_missing])
 def test_a_corrupt_store_falls_back_to_the_previous_checkpoint(corpus, straight, tmp_path,
                                                               damage):
     run_dir = tmp_path / "run"
     _run(corpus, run_dir)                           # checkpoints 4 and 6 kept
-    damage(run_dir / "checkpoints" / "store_00000006")
+    damage(run_dir / "checkpoints" / "expert-shards-00000006")
     trainer, err = _run(corpus, run_dir, resume=True)
     assert "corrupt" in err and "trying the previous checkpoint" in err
     assert trainer.resumed_from.endswith("ckpt_00000004.safetensors")

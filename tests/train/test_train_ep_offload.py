@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -32,7 +31,7 @@ from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, as_argv, tiny_run_config
+from train_helpers import TINY, as_argv, resume_copy, tiny_run_config
 
 pytestmark = pytest.mark.distributed
 
@@ -93,19 +92,20 @@ def test_host_offloaded_shards_train_like_one_process(host_run, single):
     _assert_same(_records(run_dir), _records(single))
     _assert_within_budget(summary)
     assert summary["world_size"] == 2 and summary["offload_plan"] == "host"
-    # consolidated: the single-process model state (experts gathered from both stores)
+    # the dense half equals the single-process one; each rank wrote its own experts' shard
     ep_tensors, ep_state = load_checkpoint(checkpoint_path(run_dir / "checkpoints", STEPS))
-    one_tensors, _ = load_checkpoint(checkpoint_path(single / "checkpoints", STEPS))
-    model_keys = {k for k in one_tensors if k.startswith("model.")}
-    assert {k for k in ep_tensors if k.startswith("model.")} == model_keys
-    assert any(k.endswith("experts.w1_EDF") for k in model_keys)
-    for key in model_keys:
-        assert ep_tensors[key].shape == one_tensors[key].shape, key
-        torch.testing.assert_close(ep_tensors[key], one_tensors[key], rtol=1e-3, atol=1e-5,
-                                   msg=key)
-    store = run_dir / "checkpoints" / ep_state["expert_store"]
-    meta = json.loads(next(store.glob("expert-store-*/manifest.json")).read_text())
-    assert meta["body"]["num_experts"] == [4, 4]   # one store of all experts per layer
+    one_tensors, one_state = load_checkpoint(checkpoint_path(single / "checkpoints", STEPS))
+    assert ep_tensors.keys() == one_tensors.keys()
+    assert not any("experts." in k for k in ep_tensors)
+    for key in one_tensors:
+        if key.startswith("model."):
+            torch.testing.assert_close(ep_tensors[key], one_tensors[key], rtol=1e-3, atol=1e-5,
+                                       msg=key)
+    shards = ep_state["expert_shards"]
+    assert sorted(s["rank"] for s in shards) == [0, 1]
+    for layer in shards[0]["experts"]:     # disjoint halves of every layer's 4 experts
+        held = sorted(tuple(r) for s in shards for r in s["experts"][layer])
+        assert held == [(0, 2), (2, 4)], (layer, held)
 
 
 @pytest.mark.timeout(120)
@@ -146,11 +146,7 @@ def test_eager_steps_with_accumulation_without_clipping(corpus, tmp_path):
 
 
 def _resume_copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for entry in (dst / "checkpoints").iterdir():
-        if entry.is_file() and entry.name != checkpoint_path(dst, STEPS // 2).name:
-            entry.unlink()
-    return dst
+    return resume_copy(src, dst, STEPS // 2)
 
 
 @pytest.mark.timeout(120)

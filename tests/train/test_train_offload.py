@@ -1,6 +1,6 @@
 """`moescale train` with offloaded experts, in process: the host and disk tiers train the same
 losses as device-only training (fp32, relative 1e-5), a run stopped halfway and resumed logs
-exactly the uninterrupted run's numbers (the expert store is part of the checkpoint), the
+exactly the uninterrupted run's numbers (the experts' shard is part of the checkpoint), the
 summary reports the simulated device's peak (within its budget), the disk bytes and the plan,
 and `offload.mode auto` reports the planner's pick."""
 
@@ -66,7 +66,8 @@ def test_offloaded_training_matches_device_only_and_resumes_exactly(
     assert first.run(until_step=STEPS // 2) == 0
     ckpts = list_checkpoints(run_dir / "checkpoints")
     assert [s for s, _ in ckpts] == [STEPS // 2]
-    assert (run_dir / "checkpoints" / f"store_{STEPS // 2:08d}").is_dir()
+    shards = run_dir / "checkpoints" / f"expert-shards-{STEPS // 2:08d}"
+    assert (shards / "rank00000" / "index.json").is_file()
     second = Trainer(_config(corpus, run_dir, **options), run_dir, resume=True,
                      out=open("/dev/null", "w"))
     assert second.step == STEPS // 2
@@ -74,9 +75,9 @@ def test_offloaded_training_matches_device_only_and_resumes_exactly(
     for a, b in zip(_records(run_dir), got, strict=True):
         for key in ("loss", "val_loss", "grad_norm", "lr", "tokens_per_expert"):
             assert a.get(key) == b.get(key), (key, a["step"])
-    # keep_last 1: the old store went with its checkpoint
-    stores = sorted(p.name for p in (run_dir / "checkpoints").glob("store_*"))
-    assert stores == [f"store_{STEPS:08d}"]
+    # keep_last 1: the old expert shards went with their checkpoint
+    stores = sorted(p.name for p in (run_dir / "checkpoints").glob("expert-shards-*"))
+    assert stores == [f"expert-shards-{STEPS:08d}"]
 
 
 def test_auto_mode_reports_the_planner_pick(corpus, tmp_path):

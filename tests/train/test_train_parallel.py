@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -28,7 +27,7 @@ from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, as_argv, small_corpus
+from train_helpers import TINY, as_argv, resume_copy, small_corpus
 
 STEPS = 20
 OPTIONS = dict(TINY, **{"train.steps": str(STEPS), "train.eval_interval": "10",
@@ -96,11 +95,7 @@ def _continued(run_dir):
 
 
 def _resume_copy(src: Path, dst: Path, step: int) -> Path:
-    shutil.copytree(src, dst)
-    for ckpt in (dst / "checkpoints").iterdir():
-        if ckpt.name != checkpoint_path(dst, step).name:
-            ckpt.unlink()
-    return dst
+    return resume_copy(src, dst, step)
 
 
 def continue_run(src: Path, dst: Path, overrides: dict[str, str], ranks: int) -> list[dict]:

@@ -46,3 +46,19 @@ def as_argv(overrides: dict[str, str]) -> list[str]:
 
 def moescale_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "moescale", *args]
+
+
+def resume_copy(src, dst, step: int):
+    """A copy of run directory `src` at `dst` whose only checkpoint is the one of `step` (its
+    dense file and its expert shards)."""
+    import shutil
+    from pathlib import Path
+
+    from moescale.train.checkpoint import checkpoint_path
+
+    shutil.copytree(src, dst)
+    keep = {checkpoint_path(dst, step).name, f"expert-shards-{step:08d}"}
+    for entry in (Path(dst) / "checkpoints").iterdir():
+        if entry.name not in keep:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return Path(dst)
