@@ -22,16 +22,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from moescale.train.config import RunConfig
-from moescale.train.exchange import check_launch, make_exchange
+from moescale.train.exchange import check_exchange, check_launch, make_exchange
 from moescale.train.ranks import make_ranks
-from moescale.train.residency import make_residency
+from moescale.train.residency import check_residency, make_residency
 from moescale.train.run_state import RunState
+
+
+def check_parts(config: RunConfig) -> None:
+    """Each part's refusals of options it cannot serve, before any process or thread starts."""
+    check_exchange(config)
+    check_residency(config)
 
 
 class Assembly:
     """The parts of one run (see the module docstring)."""
 
     def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        check_parts(config)
         check_launch(config)
         self.ranks = make_ranks(config.parallel.timeout_s)
         run_dir = Path(self.ranks.agree(str(run_dir)))      # rank 0's choice
@@ -49,9 +56,9 @@ class Assembly:
         """After the model is built, before the optimizer: exchange, then residency."""
         self.state = RunState(self.exchange, self.residency, self.ranks, model)
         self.exchange.prepare(model)
-        if self.exchange.kind == "dynamic":     # the shared store is its experts' residency
-            self.step = self.exchange.step_handle()
-        else:
+        if self.exchange.kind == "dynamic" and self.residency.kind == "resident":
+            self.step = self.exchange.step_handle()     # the shared store, computed in place
+        else:    # dynamic placement: the node's store streamed through each rank's device
             self.step = self.residency.prepare(model, self.exchange)
 
     def attach(self, model, optimizer) -> None:

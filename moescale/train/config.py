@@ -9,11 +9,9 @@ type and default; `to_toml()` writes the resolved tree (None values are omitted:
 
 Offloading (`[offload]`: mode, budgets, step mode, activation policy), expert parallelism
 (`[parallel]`: ep_size, chunks, reuse) and dynamic placement (`parallel.placement`, `split`) are
-wired into the trainer (moescale/train/assembly.py);
-`check_supported()` refuses the combinations it cannot run (offloading with the pipelined
-all-to-all or with auto under expert parallelism; dynamic placement with offloading, ep_size,
-bf16, CUDA), with a clear message,
-instead of silently ignoring them.
+wired into the trainer (moescale/train/assembly.py); options that a part cannot serve together
+are refused by that part (exchange.py `check_exchange`, residency.py `check_residency`), not
+here.
 
 This file builds no model and touches no tensors.
 """
@@ -251,6 +249,9 @@ class ParallelSection:
     ep_size: int = 1            # ranks the experts of each layer are split over
     chunks: str = "1"           # pipelined all-to-all chunks: a count, or auto (online tuner)
     reuse: str = "none"         # pipelined memory reuse: none | S1..S4 | auto (cost model)
+    memory_limit: str = ""      # pipelined, per rank: peak bytes one MoE layer step may reach
+                                # (chunks / reuse auto choose within it; '' = the unpipelined
+                                # dispatcher's peak)
     placement: str = "static"   # static (expert e on rank e // (E / ep_size)) | dynamic (all
                                 # local ranks share one host copy; LPT placement per iteration)
     split: bool = True          # dynamic: shard the rows of experts heavier than a device's share
@@ -267,6 +268,7 @@ class ParallelSection:
         _need(self.placement in PLACEMENTS, "parallel.placement", self.placement,
               f"choose one of {', '.join(PLACEMENTS)}")
         _need(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
+        parse_bytes(self.memory_limit, "parallel.memory_limit")
         _need(self.node_size >= 0, "parallel.node_size", self.node_size,
               "must be >= 0 (0: the ranks of each machine; N: nodes of N consecutive ranks)")
 
@@ -284,76 +286,6 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
-
-    def check_supported(self) -> None:
-        """Refuse combinations the trainer cannot run, rather than ignoring them."""
-        offloaded = self.offload.mode != "device-only"
-        if offloaded and self.parallel.ep_size > 1:
-            self._check_offloaded_shards()
-        if self.parallel.placement == "dynamic":
-            self._check_dynamic()
-        elif not self.parallel.split:
-            raise ValueError("parallel.split=false applies to parallel.placement dynamic "
-                             "(hot-expert splitting); static placement never splits: drop it "
-                             "or set parallel.placement dynamic")
-        elif self.parallel.node_size:
-            raise ValueError(f"parallel.node_size={self.parallel.node_size} applies to "
-                             "parallel.placement dynamic (a store per node); static placement "
-                             "has no nodes: drop it or set parallel.placement dynamic")
-        single = self.parallel.ep_size == 1
-        for option, value, plain in self._pipelined_options():
-            if single:
-                raise ValueError(f"{option}={value!r} needs expert parallelism (the pipelined "
-                                 f"all-to-all); set parallel.ep_size > 1 or {option}={plain}")
-        if offloaded and self.offload.step_mode == "eager" and self.optim.grad_clip > 0:
-            raise ValueError(f"offload.step_mode='eager' steps experts during backward, before "
-                             f"the global gradient norm is known, so optim.grad_clip="
-                             f"{self.optim.grad_clip} cannot apply; use offload.step_mode "
-                             "deferred or optim.grad_clip 0")
-        if self.offload.mode == "auto" and not self.offload.device_budget:
-            raise ValueError("offload.mode='auto' needs offload.device_budget (e.g. '256MiB'): "
-                             "the planner picks the fastest mode that fits it")
-
-    def _pipelined_options(self) -> list[tuple[str, str, str]]:
-        """(option, value, plain value) of each pipelined all-to-all option that is set."""
-        return [(option, value, plain) for option, value, plain in
-                (("parallel.chunks", self.parallel.chunks, "1"),
-                 ("parallel.reuse", self.parallel.reuse, "none")) if value != plain]
-
-    def _check_offloaded_shards(self) -> None:
-        where = f"offload.mode={self.offload.mode!r} with parallel.ep_size={self.parallel.ep_size}"
-        if self.offload.mode == "auto":
-            raise ValueError(f"{where} is not supported: the planner plans one process's "
-                             "experts; choose offload.mode host, pin or disk and a device "
-                             "budget per rank (offload.device_budget_experts)")
-        for option, value, plain in self._pipelined_options():
-            raise ValueError(f"{where} and {option}={value!r} is not supported: the "
-                             "pipelined all-to-all runs the experts' weights itself and "
-                             f"cannot stream them from the store; use {option} {plain}")
-
-    def _check_dynamic(self) -> None:
-        where = "parallel.placement='dynamic'"
-        if self.offload.mode != "device-only":
-            raise ValueError(f"{where} with offload.mode={self.offload.mode!r} is not "
-                             "supported: dynamic placement keeps the experts in its own host "
-                             "store shared by the local ranks; use offload.mode device-only")
-        if self.parallel.ep_size != 1:
-            raise ValueError(f"{where} with parallel.ep_size={self.parallel.ep_size} conflicts: "
-                             "dynamic placement spreads every expert over all local ranks each "
-                             "iteration (ep_size is static placement's split); leave "
-                             "parallel.ep_size at 1")
-        for option, value, plain in self._pipelined_options():
-            raise ValueError(f"{where} with {option}={value!r} is not supported: the "
-                             f"pipelined all-to-all is static placement's; use {option} "
-                             f"{plain}")
-        if self.train.precision != "fp32":
-            raise ValueError(f"{where} with train.precision={self.train.precision!r} is not "
-                             "supported: the shared-store experts compute in fp32 on the host "
-                             "copy; use train.precision fp32")
-        if self.train.device.startswith("cuda"):
-            raise ValueError(f"{where} with train.device={self.train.device!r} is not "
-                             "supported: the experts compute on the shared host copy (CPU "
-                             "ranks, gloo); use train.device cpu (or auto)")
 
 
 CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTERS, "optim.schedule": SCHEDULES,

@@ -27,10 +27,25 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from moescale.layers.moe import MoE
-from moescale.train.config import RunConfig
-from moescale.train.ranks import check_rows
+from moescale.models import gpt_config
+from moescale.offload.planner import fmt_bytes
+from moescale.parallel.choices import pipeline_choices
+from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
+                                       static_load_stats)
+from moescale.parallel.dynamic_experts import dynamic_placement_moe
+from moescale.parallel.dynamic_step import SharedStoreStep
+from moescale.parallel.expert_parallel import expert_parallel_model
+from moescale.parallel.grad_sync import allreduce_gradients
+from moescale.parallel.groups import ParallelConfig, init_distributed
+from moescale.parallel.node_store import node_expert_store
+from moescale.parallel.nodes import node_layout
+from moescale.parallel.placement import PlacementConfig
+from moescale.parallel.setup import dispatcher_factory
+from moescale.train.config import RunConfig, parse_bytes
+from moescale.train.ranks import check_rows, world_size_of_launch
 
 
 def _launch_error(what: str) -> ValueError:
@@ -39,15 +54,53 @@ def _launch_error(what: str) -> ValueError:
                       "(or moescale.train.launch.train_distributed)")
 
 
+def _pipelined_options(config: RunConfig) -> list[tuple[str, str, str]]:
+    """(option, value, plain value) of each pipelined all-to-all option that is set."""
+    pc = config.parallel
+    return [(option, value, plain) for option, value, plain in
+            (("parallel.chunks", pc.chunks, "1"), ("parallel.reuse", pc.reuse, "none"))
+            if value != plain]
+
+
+def check_exchange(config: RunConfig) -> None:
+    """The exchange's own refusals of options it cannot serve together (before any process
+    or thread starts)."""
+    pc, where = config.parallel, "parallel.placement='dynamic'"
+    if pc.placement == "static":
+        if not pc.split:
+            raise ValueError("parallel.split=false applies to parallel.placement dynamic "
+                             "(hot-expert splitting); static placement never splits: drop it "
+                             "or set parallel.placement dynamic")
+        if pc.node_size:
+            raise ValueError(f"parallel.node_size={pc.node_size} applies to parallel.placement "
+                             "dynamic (a store per node); static placement has no nodes: drop "
+                             "it or set parallel.placement dynamic")
+        for option, value, plain in _pipelined_options(config):
+            if pc.ep_size == 1:
+                raise ValueError(f"{option}={value!r} needs expert parallelism (the pipelined "
+                                 f"all-to-all); set parallel.ep_size > 1 or {option}={plain}")
+        return
+    if pc.ep_size != 1:
+        raise ValueError(f"{where} with parallel.ep_size={pc.ep_size} conflicts: dynamic "
+                         "placement spreads every expert over all local ranks each iteration "
+                         "(ep_size is static placement's split); leave parallel.ep_size at 1")
+    for option, value, plain in _pipelined_options(config):
+        raise ValueError(f"{where} with {option}={value!r} is not supported: the pipelined "
+                         f"all-to-all is static placement's; use {option} {plain}")
+    if config.train.precision != "fp32":
+        raise ValueError(f"{where} with train.precision={config.train.precision!r} is not "
+                         "supported: the shared-store experts compute in fp32 on the host copy; "
+                         "use train.precision fp32")
+    if config.train.device.startswith("cuda"):
+        raise ValueError(f"{where} with train.device={config.train.device!r} is not supported: "
+                         "the experts compute on the shared host copy (CPU ranks, gloo); use "
+                         "train.device cpu (or auto)")
+
+
 def check_launch(config: RunConfig) -> None:
     """Refuse, before any process group exists, a launch the exchange cannot run on (dynamic
     placement: one process, a node size that does not divide the ranks, rows that do not
     split evenly)."""
-    import torch.distributed as dist
-
-    from moescale.parallel.nodes import node_layout
-    from moescale.train.ranks import world_size_of_launch
-
     if config.parallel.placement != "dynamic":
         return
     world = world_size_of_launch()
@@ -89,9 +142,6 @@ class StaticExchange:
     kind = "static"
 
     def __init__(self, config: RunConfig, ranks) -> None:
-        from moescale.models import gpt_config
-        from moescale.parallel.groups import ParallelConfig, init_distributed
-
         pc = config.parallel
         experts = config.model.num_experts or gpt_config(config.model.size).num_experts
         if experts % pc.ep_size:
@@ -104,37 +154,38 @@ class StaticExchange:
                              f"launch with `torchrun --nproc-per-node {pc.ep_size} -m moescale "
                              "train ...` (or moescale.train.launch.train_distributed)")
         check_rows(config.train.batch_size, world)
-        self.pconfig = ParallelConfig(ep_size=pc.ep_size, timeout_s=pc.timeout_s,
-                                      chunks=pc.chunk_count(), reuse=pc.reuse)
+        self.pconfig = ParallelConfig(
+            ep_size=pc.ep_size, timeout_s=pc.timeout_s, chunks=pc.chunk_count(), reuse=pc.reuse,
+            memory_limit_bytes=parse_bytes(pc.memory_limit, "parallel.memory_limit"))
         self.groups = init_distributed(self.pconfig)
 
     def prepare(self, model) -> None:
-        from moescale.parallel.expert_parallel import expert_parallel_model
-        from moescale.parallel.setup import dispatcher_factory
-
         expert_parallel_model(model, self.groups, dispatcher_factory(self.groups, self.pconfig))
 
     def sync_grads(self, model) -> None:
-        from moescale.parallel.grad_sync import allreduce_gradients
-
         allreduce_gradients(model, self.groups)
 
     def begin_micro_batch(self, last: bool) -> None:
         pass
 
     def step_metrics(self, model, counts_LE) -> dict:
-        """Static placement's modelled per-rank load (rows) from the routed counts."""
-        from moescale.parallel.dynamic import static_load_stats
-
+        """Static placement's modelled per-rank load (rows) from the routed counts, and what
+        each pipelined layer chose on its last call ({layer: [chunks, strategy]})."""
+        out = {}
+        choices = pipeline_choices(model)
+        if choices:
+            out["pipeline"] = {name: list(choice) for name, choice in choices.items()}
         if not counts_LE or self.groups.ep_size == 1:
-            return {}    # every rank holds every expert: no per-rank expert load
+            return out   # every rank holds every expert: no per-rank expert load
         stats = static_load_stats(counts_LE, self.groups.ep_size)
-        return {f"device_load_{k}": v for k, v in stats.items()}
+        return {**out, **{f"device_load_{k}": v for k, v in stats.items()}}
 
     def describe(self) -> str:
         g, pc = self.groups, self.pconfig
+        limit = "" if pc.memory_limit_bytes is None else \
+            f", memory limit {pc.memory_limit_bytes / 2**20:.1f} MiB per layer step"
         return (f"experts split over {g.ep_size} expert-parallel ranks ({g.world_size} in all; "
-                f"chunks {pc.chunks}, reuse {pc.reuse})")
+                f"chunks {pc.chunks}, reuse {pc.reuse}{limit})")
 
     def close(self) -> None:
         pass
@@ -147,11 +198,6 @@ class DynamicExchange:
     kind = "dynamic"
 
     def __init__(self, config: RunConfig, ranks) -> None:
-        import torch.distributed as dist
-
-        from moescale.parallel.groups import ParallelConfig, init_distributed
-        from moescale.parallel.nodes import node_layout
-
         check_launch(config)
         self.layout = node_layout(ranks.world_size, ranks.rank, config.parallel.node_size,
                                   os.environ)
@@ -175,12 +221,6 @@ class DynamicExchange:
         self._model = None
 
     def prepare(self, model) -> None:
-        import torch.distributed as dist
-
-        from moescale.parallel.dynamic_experts import dynamic_placement_moe
-        from moescale.parallel.node_store import node_expert_store
-        from moescale.parallel.placement import PlacementConfig
-
         self.named = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
         node = self.groups.ep_group
         self.store = node_expert_store([m for _, m in self.named], node, node=self.layout.node)
@@ -201,13 +241,9 @@ class DynamicExchange:
 
     def step_handle(self):
         """The expert-step handle of the shared store (its experts' residency)."""
-        from moescale.parallel.dynamic_step import SharedStoreStep
-
         return SharedStoreStep(self.layers, self.layout, self.groups)
 
     def sync_grads(self, model) -> None:
-        from moescale.parallel.grad_sync import allreduce_gradients
-
         allreduce_gradients(model, self.groups)   # after it every backward has finished
 
     def begin_micro_batch(self, last: bool) -> None:
@@ -215,8 +251,6 @@ class DynamicExchange:
         self._micro += 1
 
     def _collect(self, keep: bool) -> None:
-        from moescale.parallel.dynamic import DynamicPlacementDispatcher, placement_stats
-
         stats = placement_stats(self._model)
         if keep and stats:
             self._calls.append(stats)
@@ -225,10 +259,6 @@ class DynamicExchange:
                 module.dispatcher.stats = None
 
     def step_metrics(self, model, counts) -> dict:
-        import torch.distributed as dist
-
-        from moescale.parallel.dynamic import static_load_stats
-
         self._collect(keep=True)
         calls, self._calls, self._micro = self._calls, [], 0
         max_load = sum(c["placement_max_load"] for c in calls)
@@ -254,8 +284,6 @@ class DynamicExchange:
         return out
 
     def describe(self) -> str:
-        from moescale.offload.planner import fmt_bytes
-
         nbytes = sum(x.records().numel() * 4 for x in self.layers)
         how = "LPT + hot-expert splitting" if self.config.parallel.split else "LPT"
         nodes = self.layout.num_nodes

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import torch
 
-from moescale.train.config import RunConfig
+from moescale.parallel.launch import run_local
+from moescale.train.config import RunConfig, load_config, to_dict
+from moescale.train.trainer import Trainer
 
 
 def _rank_main(rank: int, world_size: int, tree: dict, run_dir: str, quiet: bool,
                resume: bool):
-    from moescale.train.config import load_config
-    from moescale.train.trainer import Trainer
-
     config = load_config(None, None, base=tree)
     out = open(os.devnull, "w") if quiet or rank else None
     trainer = Trainer(config, run_dir, resume=resume, out=out, err=out)
@@ -33,9 +32,6 @@ def train_distributed(config: RunConfig, run_dir: str | Path, world_size: int, *
     """Train `config` on `world_size` local processes (gloo on CPU, NCCL on GPU); returns
     (exit code, rank 0's summary). resume=True: `--resume run_dir`, with `config` as the full
     config."""
-    from moescale.parallel.launch import run_local
-    from moescale.train.config import to_dict
-
     backend = "nccl" if torch.cuda.is_available() and config.parallel.placement == "static" \
         else "gloo"      # dynamic placement computes on the host copy
     results = run_local(_rank_main, world_size, (to_dict(config), str(run_dir), quiet, resume),

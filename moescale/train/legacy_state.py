@@ -28,6 +28,12 @@ from pathlib import Path
 
 import torch
 
+from moescale.offload.checkpoint import StoreCheckpointError
+from moescale.offload.experts import OffloadedExpertsBase
+from moescale.parallel.expert_parallel import ExpertShard, is_expert_parameter
+from moescale.parallel.state import load_full_state_dict
+from moescale.train.dynamic_state import DynamicState
+
 
 class LegacyState:
     """Loads a consolidated checkpoint (see the module docstring)."""
@@ -36,7 +42,6 @@ class LegacyState:
         self.exchange, self.residency, self.ranks = exchange, residency, ranks
         self.dynamic = None
         if exchange.kind == "dynamic":
-            from moescale.train.dynamic_state import DynamicState
             self.dynamic = DynamicState(exchange, model)
         self._expert_pids: dict[int, torch.nn.Parameter] = {}
 
@@ -50,8 +55,6 @@ class LegacyState:
 
     def attach(self, model, optimizer) -> None:
         """Called once the model is prepared and the dense optimizer built."""
-        from moescale.parallel.expert_parallel import ExpertShard, is_expert_parameter
-
         if self.dynamic is not None:
             self.dynamic.attach(model, optimizer)
         pid = 0
@@ -70,15 +73,11 @@ class LegacyState:
         if self.dynamic is not None:
             return self.dynamic.load_model_state(model, state)
         if self.engine is not None:     # the store holds the offloaded experts' weights
-            from moescale.offload.experts import OffloadedExpertsBase
-
             offloaded = {name for name, m in model.named_modules()
                          if isinstance(m, OffloadedExpertsBase)}
             state = {k: v for k, v in state.items() if k.rpartition(".")[0] not in offloaded}
         if self.groups is None:
             return model.load_state_dict(state)
-        from moescale.parallel.state import load_full_state_dict
-
         load_full_state_dict(model, state, self.groups)
 
     # -- optimizer ---------------------------------------------------------------------
@@ -113,8 +112,6 @@ class LegacyState:
             return self.dynamic.load_extra()
         if self.engine is None:
             return
-        from moescale.offload.checkpoint import StoreCheckpointError
-
         name = state.get("expert_store")
         if name is None:
             raise ValueError(f"the checkpoint of step {state.get('step')} has no expert store; "

@@ -14,15 +14,17 @@ Legend: B batch rows, S sequence.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
+import torch.distributed as dist
+
+from moescale.parallel.all_to_all import collective_errors
 
 
 def world_size_of_launch() -> int:
     """The world size this process was launched into (1 without torch.distributed)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -68,10 +70,6 @@ class WorldRanks:
     environment when it is not yet: gloo without CUDA, NCCL with it)."""
 
     def __init__(self, timeout_s: float, backend: str = "auto") -> None:
-        import datetime
-
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                        if k not in os.environ]
@@ -97,10 +95,6 @@ class WorldRanks:
     def all_reduce(self, t: torch.Tensor, op=None, group=None,
                    what: str = "training-metrics all-reduce") -> torch.Tensor:
         """`t` reduced (sum, or `op`) over `group` (None: the world), back on the CPU."""
-        import torch.distributed as dist
-
-        from moescale.parallel.all_to_all import collective_errors
-
         moved = t.to(self.device)
         with collective_errors(what, group):
             dist.all_reduce(moved, op=op or dist.ReduceOp.SUM, group=group)
@@ -121,8 +115,6 @@ class WorldRanks:
 
     def agree(self, value):
         """Rank 0's `value` on every rank."""
-        import torch.distributed as dist
-
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -132,8 +124,6 @@ class WorldRanks:
 
     def gather_objects(self, value) -> list:
         """Every rank's `value`, in rank order, on every rank."""
-        import torch.distributed as dist
-
         every = [None] * self.world_size
         dist.all_gather_object(every, value)
         return every

@@ -27,9 +27,13 @@ import torch
 
 from moescale.expert_step import ResidentStep
 from moescale.layers.moe import MoE
+from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.direct_io import align_up
+from moescale.offload.planner import fmt_bytes
+from moescale.offload.stepping import OffloadStep
 from moescale.offload.store import default_host_cache
 from moescale.train.config import RunConfig, parse_bytes
+
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -98,8 +102,6 @@ class Offloaded:
         return "meta" if self.config.offload.mode == "disk" and local else None
 
     def _offload_config(self, model):
-        from moescale.offload import OffloadConfig
-
         oc, tc = self.config.offload, self.config.train
         tier = {"pin": "host", "host": "host", "disk": "disk", "auto": "auto"}[oc.mode]
         device_bytes = parse_bytes(oc.device_budget, "offload.device_budget")
@@ -131,9 +133,6 @@ class Offloaded:
 
     def prepare(self, model, exchange):
         """Offload the (exchanged) model's experts; returns the step handle."""
-        from moescale.offload import offload_moe
-        from moescale.offload.stepping import OffloadStep
-
         cfg = self._offload_config(model)
         meta = any(p.is_meta for p in model.parameters())
         if cfg.tier == "disk":
@@ -186,8 +185,6 @@ class Offloaded:
                     "or free space")
 
     def describe(self, device) -> tuple[str, str]:
-        from moescale.offload.planner import fmt_bytes
-
         cfg, store = self.engine.config, self.engine.store
         budget = self.engine.device.budget_bytes
         itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
@@ -212,16 +209,63 @@ class Offloaded:
             self.engine = None
 
 
+def check_residency(config: RunConfig) -> None:
+    """The residency's own refusals of options it cannot serve (before any process or thread
+    starts)."""
+    oc, pc = config.offload, config.parallel
+    if oc.mode == "device-only":
+        return
+    if oc.step_mode == "eager" and config.optim.grad_clip > 0:
+        raise ValueError(f"offload.step_mode='eager' steps experts during backward, before the "
+                         f"global gradient norm is known, so optim.grad_clip="
+                         f"{config.optim.grad_clip} cannot apply; use offload.step_mode "
+                         "deferred or optim.grad_clip 0")
+    if oc.mode == "auto" and not oc.device_budget:
+        raise ValueError("offload.mode='auto' needs offload.device_budget (e.g. '256MiB'): "
+                         "the planner picks the fastest mode that fits it")
+    if oc.mode == "auto" and pc.ep_size > 1:
+        raise ValueError(f"offload.mode='auto' with parallel.ep_size={pc.ep_size} is not "
+                         "supported: the planner plans one process's experts; choose "
+                         "offload.mode host, pin or disk and a device budget per rank "
+                         "(offload.device_budget_experts)")
+    if pc.reuse in ("S1", "S3"):
+        raise ValueError(f"offload.mode={oc.mode!r} with parallel.reuse={pc.reuse!r} is not "
+                         "supported: S1 and S3 offload the hidden activation of resident "
+                         "grouped weights; offloaded experts are pipelined with reuse none, S2, "
+                         "S4 or auto")
+    if pc.placement == "dynamic" and oc.mode not in ("host", "disk"):
+        raise ValueError(f"parallel.placement='dynamic' with offload.mode={oc.mode!r} is not "
+                         "supported: the node's shared store streams experts through each "
+                         "rank's device from host memory or disk, without pinning or a planner; "
+                         "use offload.mode host, disk or device-only")
+    if pc.placement == "dynamic" and oc.activation_policy == "offload":
+        raise ValueError("parallel.placement='dynamic' with offload.activation_policy="
+                         "'offload' is not supported: the streamed shared-store experts keep "
+                         "or recompute their hidden; use offload.activation_policy keep or "
+                         "recompute")
+    if pc.placement == "dynamic" and oc.step_mode == "eager":
+        raise ValueError("parallel.placement='dynamic' with offload.step_mode='eager' is not "
+                         "supported: each expert is stepped by its owner after backward, "
+                         "between the node's barriers; use offload.step_mode deferred")
+
+
 def make_residency(config: RunConfig, run_dir: Path, ranks, exchange):
-    """The residency `config.offload` asks for; an exchange that keeps its experts in its own
-    store (dynamic placement) refuses offloading itself."""
+    """The residency `config.offload` asks for; under dynamic placement the node's shared store
+    streamed through each rank's device (moescale.parallel.dynamic_residency)."""
+    check_residency(config)
     if config.offload.mode == "device-only":
         return Resident()
-    if exchange.kind == "dynamic":
-        raise ValueError(f"parallel.placement='dynamic' with offload.mode="
-                         f"{config.offload.mode!r} is not supported yet: dynamic placement "
-                         "keeps the experts in its own host store shared by the local ranks; "
-                         "use offload.mode device-only")
+    if exchange.kind == "dynamic":      # the node's shared store, streamed per rank
+        from moescale.parallel.dynamic_residency import DynamicOffload
+
+        oc = config.offload
+        root = Path(oc.disk_dir) if oc.disk_dir else run_dir / "expert-store"
+        return DynamicOffload(tier=oc.mode, directory=str(root), mode=oc.mode,
+                              device_budget_bytes=parse_bytes(oc.device_budget,
+                                                              "offload.device_budget"),
+                              device_budget_experts=oc.device_budget_experts,
+                              host_cache_bytes=parse_bytes(oc.host_cache, "offload.host_cache"),
+                              activation_policy=oc.activation_policy, lookahead=oc.lookahead)
     if ranks.world_size > 1 and exchange.groups.world_size != exchange.groups.ep_size:
         raise ValueError(f"offload.mode={config.offload.mode!r} with {ranks.world_size} "
                          f"processes and parallel.ep_size={exchange.groups.ep_size}: offloaded "

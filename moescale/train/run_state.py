@@ -32,8 +32,9 @@ import torch
 
 from moescale.expert_state import (expert_parameters, expert_state_keys, load_expert_shards,
                                    save_expert_shards, shards_dir)
-from moescale.train.checkpoint import list_checkpoints, nonfinite
+from moescale.train.checkpoint import list_checkpoints, nonfinite, optimizer_from_flat
 from moescale.train.legacy_state import LegacyState
+
 
 FORMAT = 2      # state["format"]: the dense half + expert shards
 
@@ -166,8 +167,6 @@ class RunState:
         self.optimizer.load_state_dict({"state": opt_state, "param_groups": loaded_groups})
 
     def _load_legacy(self, ckpt_dir: Path, tensors, state: dict) -> None:
-        from moescale.train.checkpoint import optimizer_from_flat
-
         legacy = self.legacy
         model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         legacy.load_model_state(self.model, model_sd)

@@ -63,6 +63,18 @@ def _load_lines(s: dict) -> list[str]:
             + (f", static placement {static:.3f}" if static is not None else "")]
 
 
+def _pipeline_lines(s: dict) -> list[str]:
+    """The chunk count and strategy each pipelined layer chose on its last call."""
+    if not s.get("pipeline"):
+        return []
+    picks = {}
+    for name, (chunks, strategy) in s["pipeline"].items():
+        picks.setdefault((chunks, strategy), []).append(name)
+    return ["pipeline:     " + "; ".join(
+        f"{chunks} chunks, {strategy} ({len(names)} layer{'s' * (len(names) > 1)})"
+        for (chunks, strategy), names in picks.items()) + " (last step)"]
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -91,6 +103,7 @@ def summarise(trainer, train_time: float, train_tokens: int, wall: float, last_c
         "params_active": trainer.params.active, "checkpoint": str(last_ckpt),
         "resumed_from": trainer.resumed_from,
         "placement": trainer.config.parallel.placement, **_mean_loads(train),
+        "pipeline": next((r["pipeline"] for r in reversed(train) if "pipeline" in r), None),
     }
     report = write_report(trainer.run_dir)
     summary["report"] = str(report) if report else None
@@ -128,6 +141,7 @@ def print_summary(trainer, s: dict) -> None:
         f"peak memory:  {tiers}",
         f"offload plan: {trainer.plan_text}",
         *_load_lines(s),
+        *_pipeline_lines(s),
         f"report:       {s['report']}",
     ]
     if s["sample"]:

@@ -54,7 +54,7 @@ from moescale.layers.moe import MoE
 from moescale.models import GPT, gpt_config
 from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.offload.planner import fmt_bytes
-from moescale.train.assembly import assemble
+from moescale.train.assembly import assemble, check_parts
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
                                        nonfinite, save_checkpoint, sweep_temp_files,
                                        verified_checkpoints)
@@ -116,7 +116,7 @@ class Trainer:
 
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False,
                  out=None, err=None) -> None:
-        config.check_supported()
+        check_parts(config)
         check_threads(config.train.threads)     # before a thread or a byte is spent
         check_run_dir(run_dir)
         self.config = config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moescale.train.assembly import check_parts
 from moescale.train.config import RunConfig, help_text, load_config, to_toml
 from moescale.train.data import TokenBatches, is_validation, load_data
 from moescale.train.config import DataSection
@@ -44,12 +45,10 @@ def test_bad_values_name_the_option(overrides, words):
         assert word in message
 
 
-def test_unsupported_combinations_are_refused_not_ignored():
+def test_unsupported_combinations_are_refused_by_their_part_not_ignored():
     for overrides, words in (
-            ({"offload.mode": "disk", "parallel.ep_size": "2", "parallel.chunks": "2"},
-             "cannot stream them from the store; use parallel.chunks 1"),
-            ({"offload.mode": "host", "parallel.ep_size": "2", "parallel.reuse": "S2"},
-             "use parallel.reuse none"),
+            ({"offload.mode": "host", "parallel.ep_size": "2", "parallel.reuse": "S1"},
+             "reuse none, S2, S4 or auto"),
             ({"offload.mode": "auto", "offload.device_budget": "1MiB",
               "parallel.ep_size": "2"}, "offload.mode host, pin or disk"),
             ({"parallel.placement": "dynamic", "offload.mode": "host"}, "offload.mode device-only"),
@@ -64,15 +63,18 @@ def test_unsupported_combinations_are_refused_not_ignored():
             ({"offload.mode": "auto"}, "needs offload.device_budget")):
         cfg = load_config(None, overrides)          # valid values ...
         with pytest.raises(ValueError, match=words):
-            cfg.check_supported()                   # ... that cannot run together
-    RunConfig().check_supported()
+            check_parts(cfg)                        # ... that cannot run together
+    check_parts(RunConfig())
     for ok in ({"offload.mode": "host"}, {"offload.mode": "disk"},
                {"offload.mode": "host", "offload.step_mode": "eager", "optim.grad_clip": "0"},
                {"parallel.ep_size": "2", "parallel.chunks": "auto", "parallel.reuse": "auto"},
                {"offload.mode": "auto", "offload.device_budget": "1MiB"},
                {"offload.mode": "disk", "parallel.ep_size": "2"},
+               {"offload.mode": "disk", "parallel.ep_size": "2", "parallel.chunks": "2"},
+               {"offload.mode": "host", "parallel.ep_size": "2", "parallel.chunks": "auto",
+                "parallel.reuse": "auto"},
                {"parallel.placement": "dynamic", "parallel.split": "false"}):
-        load_config(None, ok).check_supported()
+        check_parts(load_config(None, ok))
 
 
 def test_offload_and_parallel_values_are_validated():

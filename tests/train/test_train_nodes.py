@@ -25,6 +25,7 @@ import torch
 
 from moescale.parallel.launch import free_port, run_local
 from moescale.parallel.nodes import node_layout, node_share
+from moescale.train.assembly import check_parts
 from moescale.train.exchange import check_launch
 from moescale.train.config import load_config, to_dict
 from moescale.train.metrics import read_metrics
@@ -169,6 +170,6 @@ def test_check_launch_refuses_a_bad_node_size(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="node_size=3 does not divide the 4 ranks"):
         check_launch(config)
     with pytest.raises(ValueError, match="parallel.node_size"):
-        load_config(None, {"parallel.node_size": "2"}).check_supported()   # static placement
+        check_parts(load_config(None, {"parallel.node_size": "2"}))   # static placement
     with pytest.raises(ValueError, match="node_size"):
         load_config(None, {"parallel.placement": "dynamic", "parallel.node_size": "-2"})

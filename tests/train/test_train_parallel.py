@@ -25,9 +25,9 @@ from moescale.cli import main as moescale_main
 from moescale.train.launch import train_distributed
 from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
-from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, as_argv, resume_copy, small_corpus
+from train_helpers import (TINY, as_argv, assert_same_run, resume_copy, run_records,
+                           small_corpus)
 
 STEPS = 20
 OPTIONS = dict(TINY, **{"train.steps": str(STEPS), "train.eval_interval": "10",
@@ -35,18 +35,10 @@ OPTIONS = dict(TINY, **{"train.steps": str(STEPS), "train.eval_interval": "10",
 
 
 def _records(run_dir):
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] in ("train", "val")]
+    return run_records(run_dir)
 
 
-def _assert_same_run(got, want, first_step=0):
-    want = [r for r in want if r["step"] > first_step]
-    assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
-    for a, b in zip(got, want):
-        for key, rel in (("loss", 1e-5), ("val_loss", 1e-5), ("aux_loss", 1e-5),
-                         ("grad_norm", 1e-4)):
-            if key in b:
-                assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-7), (key, a["step"])
-        assert a.get("tokens_per_expert") == b.get("tokens_per_expert"), a["step"]
+_assert_same_run = assert_same_run
 
 
 @pytest.fixture(scope="module")

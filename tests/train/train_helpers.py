@@ -62,3 +62,28 @@ def resume_copy(src, dst, step: int):
         if entry.name not in keep:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     return Path(dst)
+
+
+def run_records(run_dir) -> list[dict]:
+    """The train and validation records of a run's metrics.jsonl."""
+    from moescale.train.metrics import read_metrics
+
+    return [r for r in read_metrics(Path(run_dir) / "metrics.jsonl")
+            if r["kind"] in ("train", "val")]
+
+
+def assert_same_run(got: list[dict], want: list[dict], first_step: int = 0,
+                    grad_norm: bool = True) -> None:
+    """`got` logs `want`'s steps after `first_step` with its numbers: losses within 1e-5
+    relative (fp32), grad norms within 1e-4, identical routed token counts."""
+    import pytest
+
+    want = [r for r in want if r["step"] > first_step]
+    assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
+    checks = (("loss", 1e-5), ("val_loss", 1e-5), ("aux_loss", 1e-5)) + \
+        ((("grad_norm", 1e-4),) if grad_norm else ())
+    for a, b in zip(got, want):
+        for key, rel in checks:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-7), (key, a["step"])
+        assert a.get("tokens_per_expert") == b.get("tokens_per_expert"), a["step"]
