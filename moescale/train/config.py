@@ -19,7 +19,6 @@ This file builds no model and touches no tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import tomllib
 import typing
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import tomli_w
 
-from moescale.train.options import convert, type_name
+from moescale.train.options import Size, convert, parse_size, type_name
 
 MODEL_SIZES = ("tiny", "small", "moe-s", "moe-m", "moe-l")
 ROUTERS = ("topk", "noisy_topk", "switch", "gshard")
@@ -54,23 +53,12 @@ def _need(cond: bool, option: str, value, fix: str) -> None:
         raise ValueError(f"{option}={value!r} is invalid: {fix}")
 
 
-def parse_bytes(text: str, option: str) -> int | None:
-    """'' -> None; '512MiB', '2GB', '1e9', '4096' -> bytes. Raises ValueError naming `option`."""
-    text = str(text).strip()
-    if not text:
+def parse_bytes(value, option: str) -> int | None:
+    """A size option's bytes: None and '' -> None; an int -> itself; text such as '512MiB',
+    '2GB', '1e9' -> bytes (options.parse_size). Raises ValueError naming `option`."""
+    if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    match = re.fullmatch(r"([0-9.eE+]+)\s*([a-zA-Z]*)", text)
-    if match is None or match.group(2).lower() not in units:
-        raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB', '2GB' or a "
-                         "number of bytes")
-    try:
-        value = float(match.group(1)) * units[match.group(2).lower()]
-    except ValueError:
-        raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or '2GB'") from None
-    _need(value > 0 and math.isfinite(value), option, text, "a budget must be positive")
-    return int(value)
+    return parse_size(value, option)
 
 
 @dataclass(kw_only=True)
@@ -210,11 +198,14 @@ class OffloadSection:
     """Expert offloading (ES-MoE): where expert state lives and how much the device holds."""
 
     mode: str = "device-only"   # device-only | auto (the planner picks) | pin | host | disk
-    device_budget: str = ""     # device bytes, e.g. '64MiB' (device-only: a check; auto: needed)
+    device_budget: Size | None = None   # device bytes, e.g. 64MiB (device-only: a check; auto:
+                                        # needed)
     device_budget_experts: float | None = None   # or the budget in experts (host/pin/disk: 3)
-    host_budget: str = ""       # host bytes the planner may use (auto; '' = available RAM)
-    host_cache: str = ""        # disk tier: bytes of expert records cached in RAM ('' = 1/8 of
-                                # the expert state, at least 2 experts; auto: half host_budget)
+    host_budget: Size | None = None     # host bytes the planner may use (auto; unset: the
+                                        # available RAM)
+    host_cache: Size | None = None      # disk tier: bytes of expert records cached in RAM (unset:
+                                        # 1/8 of the expert state, at least 2 experts; auto: half
+                                        # host_budget)
     disk_dir: str = ""          # disk tier: expert files ('' -> <run_dir>/expert-store)
     step_mode: str = "deferred"  # deferred (global-norm clipping) | eager (needs grad_clip 0)
     activation_policy: str = "keep"   # expert hidden: keep | recompute | offload (to host)
@@ -224,8 +215,8 @@ class OffloadSection:
     def __post_init__(self) -> None:
         _need(self.mode in OFFLOAD_MODES, "offload.mode", self.mode,
               f"choose one of {', '.join(OFFLOAD_MODES)}")
-        for name in ("device_budget", "host_budget", "host_cache"):
-            parse_bytes(getattr(self, name), f"offload.{name}")
+        for name in ("device_budget", "host_budget", "host_cache"):   # bytes from here on
+            setattr(self, name, parse_bytes(getattr(self, name), f"offload.{name}"))
         _need(self.device_budget_experts is None or self.device_budget_experts > 0,
               "offload.device_budget_experts", self.device_budget_experts,
               "must be > 0 (at least 2: backward holds an expert and its gradient)")
@@ -249,9 +240,9 @@ class ParallelSection:
     ep_size: int = 1            # ranks the experts of each layer are split over
     chunks: str = "1"           # pipelined all-to-all chunks: a count, or auto (online tuner)
     reuse: str = "none"         # pipelined memory reuse: none | S1..S4 | auto (cost model)
-    memory_limit: str = ""      # pipelined, per rank: peak bytes one MoE layer step may reach
-                                # (chunks / reuse auto choose within it; '' = the unpipelined
-                                # dispatcher's peak)
+    memory_limit: Size | None = None   # pipelined, per rank: peak bytes one MoE layer step
+                                       # may reach (chunks / reuse auto choose within it;
+                                       # unset: the unpipelined dispatcher's peak)
     placement: str = "static"   # static (expert e on rank e // (E / ep_size)) | dynamic (all
                                 # local ranks share one host copy; LPT placement per iteration)
     split: bool = True          # dynamic: shard the rows of experts heavier than a device's share
@@ -268,7 +259,7 @@ class ParallelSection:
         _need(self.placement in PLACEMENTS, "parallel.placement", self.placement,
               f"choose one of {', '.join(PLACEMENTS)}")
         _need(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
-        parse_bytes(self.memory_limit, "parallel.memory_limit")
+        self.memory_limit = parse_bytes(self.memory_limit, "parallel.memory_limit")
         _need(self.node_size >= 0, "parallel.node_size", self.node_size,
               "must be >= 0 (0: the ranks of each machine; N: nodes of N consecutive ranks)")
 

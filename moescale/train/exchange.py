@@ -44,7 +44,7 @@ from moescale.parallel.node_store import node_expert_store
 from moescale.parallel.nodes import node_layout
 from moescale.parallel.placement import PlacementConfig
 from moescale.parallel.setup import dispatcher_factory
-from moescale.train.config import RunConfig, parse_bytes
+from moescale.train.config import RunConfig
 from moescale.train.ranks import check_rows, world_size_of_launch
 
 
@@ -156,7 +156,7 @@ class StaticExchange:
         check_rows(config.train.batch_size, world)
         self.pconfig = ParallelConfig(
             ep_size=pc.ep_size, timeout_s=pc.timeout_s, chunks=pc.chunk_count(), reuse=pc.reuse,
-            memory_limit_bytes=parse_bytes(pc.memory_limit, "parallel.memory_limit"))
+            memory_limit_bytes=pc.memory_limit)
         self.groups = init_distributed(self.pconfig)
 
     def prepare(self, model) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from moescale.layers.expert_threads import usable_cpus
 from moescale.offload.planner import fmt_bytes
-from moescale.train.config import RunConfig, parse_bytes
+from moescale.train.config import RunConfig
 
 STATE_BYTES = 16       # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 ACT_BYTES = 4
@@ -125,10 +125,10 @@ def check_budget(config: RunConfig, num_params: int) -> None:
     """A device budget smaller than what device-only training holds is a user error."""
     if config.offload.mode != "device-only":
         return    # the offload engine checks its budget against one expert
-    budget = parse_bytes(config.offload.device_budget, "offload.device_budget")
+    budget = config.offload.device_budget
     need = num_params * BYTES_PER_PARAM_DEVICE_ONLY
     if budget is not None and budget < need:
         raise ValueError(
-            f"offload.device_budget={config.offload.device_budget!r} ({budget:,} bytes) is too "
+            f"offload.device_budget={budget:,} bytes is too "
             f"small: device-only training of {num_params:,} parameters holds {need:,} bytes of "
             "weights, gradients and AdamW state; raise the budget or use a smaller model")

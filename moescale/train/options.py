@@ -1,7 +1,8 @@
 """Option values: a CLI word or a TOML value, converted to the annotated type of a config field.
 
 `convert(text, hint, option)` turns `--train.steps 2000` or `steps = 2000` into the field's type
-(bool, int, float, str, optionally None), or raises ValueError naming the option and the value:
+(bool, int, float, str, `Size`: bytes written '512MiB', '2GB' or a number; optionally None), or
+raises ValueError naming the option and the value:
 TOML arrays, tables and dates for a scalar, integers past 64 bits (exact scientific notation
 such as `1e6` is an integer), non-finite floats. `type_name` is how `--help` shows a type.
 
@@ -12,8 +13,35 @@ from __future__ import annotations
 
 import decimal
 import math
+import re
 import types
 import typing
+
+Size = typing.NewType("Size", int)    # bytes; given as '512MiB', '2GB', '1e9' or an integer
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text, option: str) -> int:
+    """'512MiB', '2GB', '1e9', '4096' or a positive integer -> bytes; ValueError naming
+    `option` and the value otherwise."""
+    if isinstance(text, bool):
+        raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or '2GB'")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"([0-9.eE+]+)\s*([a-zA-Z]*)", str(text).strip())
+        if match is None or match.group(2).lower() not in SIZE_UNITS:
+            raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB', '2GB' or a "
+                             "number of bytes")
+        try:
+            value = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+        except ValueError:
+            raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or "
+                             "'2GB'") from None
+    if not (value >= 1 and math.isfinite(value)):
+        raise ValueError(f"{option}={text!r} is invalid: a size must be at least one byte")
+    return int(value)
 
 
 def unwrap_optional(hint):
@@ -34,6 +62,8 @@ def convert(text, hint, option: str):
                          f"{base.__name__} value")
     if isinstance(text, str) and optional and text.strip().lower() in ("none", "null", ""):
         return None
+    if base is Size:
+        return Size(parse_size(text, option))
     if base is bool:
         if isinstance(text, bool):
             return text
@@ -65,7 +95,7 @@ def convert(text, hint, option: str):
         return value
     if base is str:
         if isinstance(text, int) and not isinstance(text, bool):
-            return str(text)    # TOML `chunks = 2`, `device_budget = 1000000`
+            return str(text)    # TOML `chunks = 2`
         if not isinstance(text, str):
             raise ValueError(f"{option}={text!r} must be a string")
         return text
@@ -90,4 +120,5 @@ def _parse_int(text: str) -> int:
 def type_name(hint) -> str:
     """How --help shows an annotation: `int`, `float | none`."""
     base, optional = unwrap_optional(hint)
-    return base.__name__ + (" | none" if optional else "")
+    name = "size (e.g. 512MiB)" if base is Size else base.__name__
+    return name + (" | none" if optional else "")

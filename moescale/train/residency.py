@@ -104,7 +104,7 @@ class Offloaded:
     def _offload_config(self, model):
         oc, tc = self.config.offload, self.config.train
         tier = {"pin": "host", "host": "host", "disk": "disk", "auto": "auto"}[oc.mode]
-        device_bytes = parse_bytes(oc.device_budget, "offload.device_budget")
+        device_bytes = oc.device_budget
         experts = oc.device_budget_experts
         if device_bytes is None and experts is None and tier != "auto":
             experts = 3.0    # double-buffered uploads in forward and in backward
@@ -113,7 +113,7 @@ class Offloaded:
                   lookahead=oc.lookahead, device_budget_bytes=device_bytes,
                   device_budget_experts=experts,
                   pin_fraction=0.25 if oc.mode == "pin" else 0.0)
-        host_cache = parse_bytes(oc.host_cache, "offload.host_cache")
+        host_cache = oc.host_cache
         if tier in ("disk", "auto"):
             if not oc.disk_dir:
                 self.disk_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +127,7 @@ class Offloaded:
         kw["host_cache_bytes"] = host_cache
         if tier == "auto":
             kw.update(tokens_per_micro_batch=tc.batch_size * tc.seq_len,
-                      host_budget_bytes=parse_bytes(oc.host_budget, "offload.host_budget"),
+                      host_budget_bytes=oc.host_budget,
                       rates=oc.rates)
         return OffloadConfig(**kw)
 
@@ -220,7 +220,7 @@ def check_residency(config: RunConfig) -> None:
                          f"global gradient norm is known, so optim.grad_clip="
                          f"{config.optim.grad_clip} cannot apply; use offload.step_mode "
                          "deferred or optim.grad_clip 0")
-    if oc.mode == "auto" and not oc.device_budget:
+    if oc.mode == "auto" and oc.device_budget is None:
         raise ValueError("offload.mode='auto' needs offload.device_budget (e.g. '256MiB'): "
                          "the planner picks the fastest mode that fits it")
     if oc.mode == "auto" and pc.ep_size > 1:

@@ -149,7 +149,7 @@ BAD = [
                      "--offload.device_budget_experts", "2"], "offload.device_budget_experts"),
     ("budget-too-small", ["--offload.mode", "host", "--offload.device_budget", "1KiB"],
      "1024 bytes"),
-    ("budget-device-only", ["--offload.device_budget", "1KiB"], "'1KiB'"),
+    ("budget-device-only", ["--offload.device_budget", "1KiB"], "1,024 bytes"),
     ("host_budget-text", ["--offload.host_budget", "all"], "'all'"),
     ("host_cache-text", ["--offload.host_cache", "some"], "'some'"),
     ("step_mode", ["--offload.step_mode", "lazy"], "'lazy'"),
