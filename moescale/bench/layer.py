@@ -40,7 +40,7 @@ from moescale.bench import layer_memory
 from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
 from moescale.bench.stats import paired_ratio
-from moescale.layers.grouped_ffn import needs_fp32_gemm
+from moescale.layers.grouped_ffn import lowp_gemm_choice, needs_fp32_gemm
 from moescale.layers.moe import MoE
 
 
@@ -310,8 +310,9 @@ def run(opts: LayerBenchOptions, argv: list[str], log=print, on_partial=None) ->
             created_group = impls.ensure_process_group()
         except Exception as err:  # noqa: BLE001 - report and go on without it
             log(f"deepspeed unavailable ({type(err).__name__}: {err}); skipping it")
+    gemms = ", ".join(f"{d}: {c['kernels']}" for d, c in _gemm_choices(opts, device).items())
     log(f"CPU flags: {' '.join(cpu_flags()) or '(unknown)'}; {torch.get_num_threads()} "
-        f"threads; GEMMs: {_gemm_choices(opts, device)}")
+        f"threads; GEMMs: {gemms}")
     try:
         for name, dtype_name, expert in ((n, d, x) for n in opts.configs for d in opts.dtypes
                                          for x in EXPERTS[opts.expert]):
@@ -336,8 +337,16 @@ def run(opts: LayerBenchOptions, argv: list[str], log=print, on_partial=None) ->
 
 
 def _gemm_choices(opts, device) -> dict:
-    return {d: impls.floor_gemm_name(torch.empty(1, dtype=DTYPES[d], device=device))
-            for d in opts.dtypes}
+    """Per dtype: the GEMM moescale's kernels (and the floor) use, decided once per process
+    from what the CPU has, and what its flags alone would pick (lowp_gemm_choice)."""
+    flags = cpu_flags()
+    out = {}
+    for d in opts.dtypes:
+        x = torch.empty(1, dtype=DTYPES[d], device=device)
+        out[d] = {"kernels": "fp32 emulation" if needs_fp32_gemm(x) else "native",
+                  "by_flags": lowp_gemm_choice(DTYPES[d], flags) if flags else None,
+                  "floor": impls.floor_gemm_name(x)}
+    return out
 
 
 def _result(opts, argv, device, started, rows, skipped, checks, complete: bool) -> dict:
@@ -345,7 +354,7 @@ def _result(opts, argv, device, started, rows, skipped, checks, complete: bool) 
         benchmark="layer", hardware=hardware_tag(device), versions=_versions(),
         cpu_flags=cpu_flags(), cpu_model=platform.processor() or platform.machine(),
         threads=torch.get_num_threads(), command="moescale bench layer " + " ".join(argv),
-        options={k: v for k, v in asdict(opts).items()}, floor_gemm=_gemm_choices(opts, device),
+        options={k: v for k, v in asdict(opts).items()}, gemm=_gemm_choices(opts, device),
         rss_meaning="peak RSS delta of one warm forward + backward in a fresh process "
                     "(layer_memory.py): saved activations, transients, weight gradients",
         loss="(y * g).sum() with a fixed random g",

@@ -67,7 +67,8 @@ def test_result_records_cpu_flags_and_gemm_choice():
     opts = layer.LayerBenchOptions(configs=[], dtypes=["fp32", "bf16"], peers=[], memory=False)
     result = layer.run(opts, [], log=lambda msg: None)
     assert isinstance(result["cpu_flags"], list)
-    assert set(result["floor_gemm"]) == {"fp32", "bf16"}
+    assert set(result["gemm"]) == {"fp32", "bf16"}
+    assert result["gemm"]["fp32"]["kernels"] == "native"
     with pytest.raises(ValueError, match="--expert"):
         layer.LayerBenchOptions(expert="moe")
 
