@@ -11,9 +11,9 @@ order) and an accessor:
   `step` live in the caller's torch optimizer (torch keeps one step per parameter, so one per
   layer tensor; every expert of it shares it);
 - `StoreAccess`: a layer of an `ExpertStore` (offloaded experts, alone or as a shard's local,
-  and the dynamic-placement store shared by a node's ranks): per expert the master, the two
-  moments and a step count. The gradient accumulator is not state between steps: writing an
-  expert zeroes it.
+  and the dynamic-placement store shared by a node's ranks, computed in place or streamed):
+  per expert the master, the two moments and a step count. The gradient accumulator is not
+  state between steps: writing an expert zeroes it.
 
 `expert_state_keys(model)` / `expert_parameters(model)` name what a dense checkpoint leaves out
 (the expert tensors of `model.state_dict()` and the resident expert parameters).
@@ -35,6 +35,7 @@ from moescale.offload.experts import OffloadedExpertsBase
 from moescale.offload.records import STATE
 from moescale.offload.store import ExpertStore
 from moescale.parallel.dynamic_experts import SharedStoreExperts
+from moescale.parallel.dynamic_offload import StreamedSharedExperts
 from moescale.parallel.expert_parallel import ExpertShard
 
 STACKED = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")   # the store layout's order
@@ -232,7 +233,7 @@ def held_layers(model: nn.Module, optimizer=None, engine=None) -> list[HeldLayer
         elif isinstance(inner, OffloadedExpertsBase):
             owner = engine if engine is not None else inner.engine
             access = StoreAccess(key, owner.store, inner.layer_index)
-        elif isinstance(inner, SharedStoreExperts):
+        elif isinstance(inner, (SharedStoreExperts, StreamedSharedExperts)):
             access = StoreAccess(key, inner.store, inner.layer_index)
         else:
             raise ValueError(f"{key}: expert container {type(inner).__name__} is not one that "

@@ -261,6 +261,28 @@ class ExpertStore:
             store._register(layout, data_E4P, steps_E)
         return store
 
+    @classmethod
+    def attach_disk(cls, config: StoreConfig, layouts: Sequence[ExpertLayout],
+                    sums: dict[Key, dict[int, list[int]]]) -> "ExpertStore":
+        """A disk-tier store over the files another process of this machine wrote into
+        `config.directory` (its add_layer calls, generation 0): the same layouts and the chunk
+        sums it recorded (`disk.sums`); nothing is written. Each process caches records in its
+        own host slots: a caller sharing the files keeps them coherent (parallel/node_disk.py)."""
+        if config.tier != "disk":
+            raise ValueError(f"attach_disk needs tier='disk', not {config.tier!r}")
+        store = cls(config)
+        store.disk = DiskTier(config.directory, config.host_cache_bytes or 0, config.io_threads,
+                              config.pin_memory, direct_io=config.direct_io)
+        for layer, layout in enumerate(layouts):
+            num = sum(1 for key in sums if key[0] == layer)
+            store.disk.numels.append(layout.numel)
+            for e in range(num):
+                store.disk.gen[(layer, e)] = 0
+                store.disk.sums[(layer, e)] = {int(p): list(c) for p, c in
+                                               sums[(layer, e)].items()}
+            store._register(layout, None, torch.zeros(num, dtype=torch.float32))
+        return store
+
     def _register(self, layout: ExpertLayout, data_E4P: torch.Tensor | None,
                   steps_E: torch.Tensor) -> None:
         """Append a layer of len(steps_E) experts (data_E4P: its host-tier records, None on

@@ -32,8 +32,9 @@ expert's FLOPs and measured device rates. After each call `dispatcher.stats` hol
 modelled per-device loads, max/mean and the number of split experts; `placement_stats(model)`
 condenses them over a model's layers for the trainer to log.
 
-Not here: the expert math and the optimizer step (dynamic_experts.py), overlap of the
-exchanges with compute. Placement is within a node (the group); across nodes the experts are
+Not here: the expert math and the optimizer step (dynamic_experts.py; streamed from a host or
+disk store through each rank's device: dynamic_offload.py), overlap of the exchanges with
+compute. Placement is within a node (the group); across nodes the experts are
 replicated per node (nodes.py).
 
 Legend: T tokens, R rows this rank routed (grouped by expert), S rows received, D model width,
@@ -293,8 +294,10 @@ class DynamicPlacementDispatcher:
             raise ValueError(f"dynamic placement over {type(experts).__name__} (experts "
                              "streamed from a per-process store) is not supported: every "
                              "device computes partial gradients of the experts placed on it, "
-                             "and per-process stores cannot sum them; use the shared store "
-                             "(dynamic_placement_moe) or replicated GroupedExperts")
+                             "and per-process stores cannot sum them; use the node's shared "
+                             "store (dynamic_placement_moe, streamed through each device by "
+                             "dynamic_offload.StreamedSharedExperts on the host or disk tier) "
+                             "or replicated GroupedExperts")
         counts_WE = self.gather_counts(plan.counts, x_TD.device)
         placement = self.place(counts_WE)
         lay = row_layout(counts_WE, placement, self.rank, x_TD.device)

@@ -21,9 +21,10 @@ can compute any expert and placement may change every iteration without moving w
   engine's HostOptimizer and torch.optim.AdamW on a stacked parameter do.
 
 Deliberately not done here (see docs/dynamic_placement.md): device copies through the offload
-DeviceCache (weights are read in place from host memory, which is what a CPU rank computes on;
-a GPU rank would upload them), the eager per-expert step overlapped with backward and
-per-expert cross-process fences (the barrier is a coarse fence), the disk tier.
+DeviceCache (dynamic_offload.py streams the store's experts through each rank's device; here
+weights are read in place from host memory, which is what a CPU rank computes on), the eager
+per-expert step overlapped with backward and per-expert cross-process fences (the barrier is a
+coarse fence; the disk tier's fence is node_disk.py's, passed to `step_shared_experts`).
 
 Legend: R rows on this device grouped by expert, D model width, F hidden width, E experts,
 P parameters of one expert, S split experts.
@@ -31,7 +32,7 @@ P parameters of one expert, S split experts.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from moescale.layers.experts import GroupedExperts, compute_dtype
 from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward
 from moescale.layers.moe import MoE
 from moescale.layers.protocol import PLACED, STREAMED
+from moescale.offload.records import STATE
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 from moescale.parallel.all_to_all import collective_errors
 from moescale.parallel.dynamic import DynamicPlacementDispatcher
@@ -240,32 +242,47 @@ def owned_experts(layer: SharedStoreExperts, rank: int, size: int) -> list[int]:
 
 def step_shared_experts(layers: Sequence[SharedStoreExperts], group, *, lr: float,
                         betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                        grad_coef: float | None = None, skip: bool = False) -> int:
+                        grad_coef: float | None = None, skip: bool = False,
+                        fence: Callable[[], None] | None = None) -> int:
     """Barrier, AdamW step of the experts this rank owns (every expert of every layer is
     stepped by exactly one rank), zeroed accumulators, barrier. Returns how many this rank
     stepped. Call it on every rank after the iteration's last backward. skip=True: the same
-    with no step (the accumulators are only zeroed; a training loop's guard skipped it)."""
+    with no step (the accumulators are only zeroed; a training loop's guard skipped it).
+    `fence` replaces the closing barrier (the disk tier's fence also writes back and agrees on
+    the files, node_disk.py); a disk-tier store is stepped one expert at a time (its host
+    cache need not hold every owned record at once; the fused AdamW math is per element, so
+    the bits do not change)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     with collective_errors("barrier before the expert steps", group):
         dist.barrier(group=group)
     stepped = 0
     for layer in layers:
         mine = owned_experts(layer, rank, size)
-        if not mine:
-            continue
-        recs = [layer.store.acquire((layer.layer_index, e)) for e in mine]
-        if grad_coef is not None:
-            for r in recs:
-                r.grad_P.mul_(grad_coef)
-        if not skip:
-            adamw([r.master_P for r in recs], [r.grad_P for r in recs],
-                  [r.exp_avg_P for r in recs], [r.exp_avg_sq_P for r in recs], [],
-                  [r.step_t for r in recs], fused=True, amsgrad=False, beta1=betas[0],
-                  beta2=betas[1], lr=float(lr), weight_decay=weight_decay, eps=eps,
-                  maximize=False)
-            stepped += len(recs)
-        for r in recs:
-            r.grad_P.zero_()
+        per = 1 if layer.store.config.tier == "disk" else max(1, len(mine))
+        for i in range(0, len(mine), per):
+            keys = [(layer.layer_index, e) for e in mine[i:i + per]]
+            recs = [layer.store.acquire(key) for key in keys]
+            try:
+                if grad_coef is not None:
+                    for r in recs:
+                        r.grad_P.mul_(grad_coef)
+                if not skip:
+                    adamw([r.master_P for r in recs], [r.grad_P for r in recs],
+                          [r.exp_avg_P for r in recs], [r.exp_avg_sq_P for r in recs], [],
+                          [r.step_t for r in recs], fused=True, amsgrad=False,
+                          beta1=betas[0], beta2=betas[1], lr=float(lr),
+                          weight_decay=weight_decay, eps=eps, maximize=False)
+                    stepped += len(recs)
+                for r in recs:
+                    r.grad_P.zero_()
+            finally:
+                for key in keys:
+                    layer.store.release(key, dirty=True, rows=STATE, grad_zero=True)
+                    if not skip:
+                        layer.store.bump_version(key)
+    if fence is not None:
+        fence()
+        return stepped
     with collective_errors("expert step fence (barrier)", group):
         dist.barrier(group=group)
     return stepped

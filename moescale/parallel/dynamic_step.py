@@ -61,3 +61,68 @@ class SharedStoreStep:
 
     def close(self) -> None:
         pass
+
+
+class StreamedStoreStep(SharedStoreStep):
+    """The ExpertStep of a node's store streamed through each rank's device
+    (dynamic_offload.py). Host tier: the shared store's step as above. Disk tier (`coherence`
+    given): every micro-batch starts with a fence (the previous pass's gradients in the files,
+    one view of them on every rank); clipping fences, then counts this rank's share of the
+    accumulators (read from the files) and scales them at the step; the step ends with a
+    fence instead of its closing barrier. One node only on the disk tier."""
+
+    def __init__(self, layers, layout, groups, rank_device, coherence=None) -> None:
+        super().__init__(layers, layout, groups)
+        if coherence is not None and layout.num_nodes > 1:
+            raise ValueError(f"dynamic placement over a disk-tier store runs on one node; this "
+                             f"run has {layout.num_nodes} (parallel.node_size "
+                             f"{layout.node_size}); use offload.mode host across nodes")
+        self.rank_device, self.coherence = rank_device, coherence
+        self._coef: float | None = None
+
+    def begin_micro_batch(self, last: bool) -> None:
+        if self.coherence is not None:
+            self.coherence.fence()
+
+    def clip_grad_norm_(self, model, max_norm: float) -> float:
+        if self.coherence is None:
+            return super().clip_grad_norm_(model, max_norm)
+        from moescale.parallel.nodes import node_share
+
+        self.coherence.fence()
+        pairs = node_share([x.num_experts for x in self.layers], self.layout.local_rank,
+                           self.layout.node_size)
+        sq = self.coherence.grad_sq([(self.layers[i].layer_index, e) for i, e in pairs])
+        limit = max_norm if max_norm > 0 else math.inf
+        total = clip_grad_norm_(model, limit, self.groups, extra_grads=[sq.sqrt().reshape(1)])
+        self._coef = float((limit / (total + 1e-6)).clamp(max=1.0))
+        return float(total)
+
+    def step(self) -> None:
+        if self.coherence is None:
+            return super().step()
+        group = self.optimizer.param_groups[0]
+        coef, self._coef = self._coef, None
+        if coef is None:            # not clipped: the last pass's gradients are not fenced yet
+            self.coherence.fence()
+        step_shared_experts(self.layers, self.groups.ep_group, lr=group["lr"],
+                            betas=tuple(group["betas"]), eps=group["eps"],
+                            weight_decay=group["weight_decay"], grad_coef=coef,
+                            fence=self.coherence.fence)
+
+    def skip_step(self) -> None:
+        if self.coherence is None:
+            return super().skip_step()
+        if self._coef is None:
+            self.coherence.fence()
+        self._coef = None
+        step_shared_experts(self.layers, self.groups.ep_group, lr=0.0, skip=True,
+                            fence=self.coherence.fence)
+
+    def memory(self) -> dict:
+        out = self.rank_device.memory()
+        store = self.layers[0].store if self.layers else None
+        if store is not None and store.config.tier == "disk":
+            out["disk_read_bytes"] = int(store.bytes_read)
+            out["disk_written_bytes"] = int(store.bytes_written)
+        return out

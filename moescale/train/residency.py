@@ -32,7 +32,7 @@ from moescale.offload.direct_io import align_up
 from moescale.offload.planner import fmt_bytes
 from moescale.offload.stepping import OffloadStep
 from moescale.offload.store import default_host_cache
-from moescale.train.config import RunConfig, parse_bytes
+from moescale.train.config import RunConfig
 
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -237,7 +237,7 @@ def check_residency(config: RunConfig) -> None:
         raise ValueError(f"parallel.placement='dynamic' with offload.mode={oc.mode!r} is not "
                          "supported: the node's shared store streams experts through each "
                          "rank's device from host memory or disk, without pinning or a planner; "
-                         "use offload.mode host, disk or device-only")
+                         "use offload.mode host or disk, or offload.mode device-only")
     if pc.placement == "dynamic" and oc.activation_policy == "offload":
         raise ValueError("parallel.placement='dynamic' with offload.activation_policy="
                          "'offload' is not supported: the streamed shared-store experts keep "
@@ -261,10 +261,9 @@ def make_residency(config: RunConfig, run_dir: Path, ranks, exchange):
         oc = config.offload
         root = Path(oc.disk_dir) if oc.disk_dir else run_dir / "expert-store"
         return DynamicOffload(tier=oc.mode, directory=str(root), mode=oc.mode,
-                              device_budget_bytes=parse_bytes(oc.device_budget,
-                                                              "offload.device_budget"),
+                              device_budget_bytes=oc.device_budget,
                               device_budget_experts=oc.device_budget_experts,
-                              host_cache_bytes=parse_bytes(oc.host_cache, "offload.host_cache"),
+                              host_cache_bytes=oc.host_cache,
                               activation_policy=oc.activation_policy, lookahead=oc.lookahead)
     if ranks.world_size > 1 and exchange.groups.world_size != exchange.groups.ep_size:
         raise ValueError(f"offload.mode={config.offload.mode!r} with {ranks.world_size} "

@@ -174,8 +174,8 @@ BAD = [
     ("node_size-static", ["--parallel.node_size", "2"], "parallel.node_size=2"),
     ("timeout-0", ["--parallel.timeout_s", "0"], "parallel.timeout_s=0"),
     ("dynamic-unlaunched", ["--parallel.placement", "dynamic"], "parallel.placement='dynamic'"),
-    ("dynamic-offload", ["--parallel.placement", "dynamic", "--offload.mode", "host"],
-     "offload.mode='host'"),
+    ("dynamic-offload", ["--parallel.placement", "dynamic", "--offload.mode", "pin"],
+     "offload.mode='pin'"),
     ("dynamic-bf16", ["--parallel.placement", "dynamic", "--train.precision", "bf16"],
      "train.precision='bf16'"),
     # config files

@@ -172,3 +172,63 @@ def train_dynamic(rank: int, world: int, steps: int, state, layouts, placement: 
                 master_err = max(master_err, (got - want[name]).abs().max().item())
     engine.close()
     return losses, imbalance, num_split, master_err
+
+
+def check_streamed(rank: int, world: int, cases: list[dict], stores: list, root: str) -> list:
+    """Each case with the node's store streamed through a small per-rank device budget
+    (StreamedSharedExperts): over the shared host store, then over a disk-tier copy of it in
+    `root`/<case>. Output, input and router gradients, and every expert's accumulated
+    gradient (read from the disk files after a fence) against the reference; the device peak
+    stays within its budget. Returns per case the split experts and the device peaks."""
+    import os
+
+    from moescale.parallel.dynamic_offload import RankDevice, StreamedSharedExperts
+    from moescale.parallel.node_disk import DiskCoherence, node_disk_store
+    from moescale.offload.direct_io import align_up
+    from moescale.offload.records import G
+
+    out = []
+    for k, (case, (state, layouts)) in enumerate(zip(cases, stores)):
+        full = _full_moe(case)
+        xs, cs = _inputs(case, world)
+        y_ref, gx_ref, _ = _reference(case, full, xs, cs, world)
+        config = PlacementConfig(num_devices=world, split=case.get("split", False))
+        host = ExpertStore.attach(StoreConfig(tier="host", shared_memory=True), layouts, state)
+        disk = node_disk_store(host, None, os.path.join(root, f"case{k}"),
+                               host_cache_bytes=2 * 4 * align_up(4 * layouts[0].numel))
+        coherence = DiskCoherence(disk, None)     # before any write: it tracks the changes
+        peaks, splits = [], []
+        for store in (host, disk):
+            moe = dynamic_placement_moe(full, host, 0, None, config,
+                                        placement_hook=_hook(case, world))
+            device = RankDevice(store, budget_experts=2.0,
+                                lookahead=case.get("lookahead", 1))
+            moe.experts = StreamedSharedExperts.replacing(moe.experts, store, device,
+                                                          case.get("policy", "keep"))
+            x = xs[rank].clone().requires_grad_(True)
+            y = moe(x)
+            splits.append(moe.dispatcher.stats.num_split)
+            _check_outputs(case, moe, x, y, cs, y_ref, gx_ref, full, world, rank)
+            if store is disk:
+                coherence.fence()     # every owner's gradient in the files, one view
+            else:
+                dist.barrier()
+            for e in range(case["E"]):
+                rec = store.acquire((0, e), G)
+                got = moe.experts.layout.split(rec.grad_P.clone())
+                store.release((0, e))
+                for name in moe.experts.layout.names:
+                    want = getattr(full.experts, name).grad
+                    want = torch.zeros_like(got[name]) if want is None else want[e]
+                    _close(f"{store.config.tier} grad {name}[{e}]", got[name], want, case)
+            peak = device.memory()
+            assert peak["device_peak_bytes"] <= peak["device_budget_bytes"], peak
+            peaks.append(peak["device_peak_bytes"])
+            dist.barrier()
+            if store is host:
+                for e in range(rank, case["E"], world):   # zero for the next pass
+                    host.acquire((0, e)).grad_P.zero_()
+                dist.barrier()
+        disk.close()
+        out.append((case["name"], splits, peaks))
+    return out

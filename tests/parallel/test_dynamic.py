@@ -114,3 +114,23 @@ def test_load_model_config_counts_flops_and_uploads():
     assert glu.row_cost == pytest.approx(1.5 * cfg.row_cost) and glu.upload_cost == 0.0
     with pytest.raises(ValueError, match="flops_per_s=0"):
         load_model_config(4, 64, 256, flops_per_s=0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_streamed_node_store_matches_reference(world, tmp_path):
+    """The node's store (host tier, then a disk-tier copy) streamed through each rank's
+    device budget of 2 experts: same outputs and gradients as the reference."""
+    from dynamic_workers import check_streamed
+
+    cases = _cases(world)
+    cases[1]["policy"] = "recompute"
+    cases[3]["lookahead"] = 0
+    stores = [build_store(c) for c in cases]
+    results = run_local(check_streamed, world, (cases, stores, str(tmp_path)), timeout_s=60,
+                        deadline_s=110)
+    per_rank = [r.value for r in results]
+    for case, (name, splits, peaks) in zip(cases, per_rank[0]):
+        assert name == case["name"] and splits[0] == splits[1]
+        if case.get("must_split"):
+            assert splits[0] > 0, (name, splits)

@@ -51,7 +51,7 @@ def test_unsupported_combinations_are_refused_by_their_part_not_ignored():
              "reuse none, S2, S4 or auto"),
             ({"offload.mode": "auto", "offload.device_budget": "1MiB",
               "parallel.ep_size": "2"}, "offload.mode host, pin or disk"),
-            ({"parallel.placement": "dynamic", "offload.mode": "host"}, "offload.mode device-only"),
+            ({"parallel.placement": "dynamic", "offload.mode": "pin"}, "offload.mode device-only"),
             ({"parallel.placement": "dynamic", "parallel.ep_size": "2"}, "conflicts"),
             ({"parallel.placement": "dynamic", "parallel.chunks": "2"}, "pipelined"),
             ({"parallel.placement": "dynamic", "train.precision": "bf16"}, "fp32"),
