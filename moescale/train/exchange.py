@@ -13,11 +13,13 @@ where each rank's experts live. One class per exchange, none per combination:
   dispatchers). After backward the dense gradients are averaged over the world.
 - `DynamicExchange` (`parallel.placement dynamic`): ES-MoE's dynamic placement. The ranks of a
   node share one host copy of the experts (in /dev/shm); every iteration each layer places them
-  by LPT on the node's ranks (`parallel.split`: hot experts' rows sharded). Its experts are
-  their own residency (the shared store), so it refuses offloading (`residency_error`).
+  by LPT on the node's ranks (`parallel.split`: hot experts' rows sharded). Resident, its
+  experts compute on that host copy in place (its own step handle); offloaded (host or disk
+  tier), the node's store is streamed through each rank's device (residency.py,
+  parallel/dynamic_residency.py).
 
-An exchange's `step_metrics` adds the modelled per-rank load to each step's record. Checkpoint
-translation (consolidated, single-process format) is in run_state.py.
+An exchange's `step_metrics` adds the modelled per-rank load (and the pipelined layers'
+choices) to each step's record. Checkpoints are run_state.py's (sharded).
 
 Legend: E experts of a layer, W world size.
 """

@@ -13,8 +13,9 @@ straight to their files, and refuses at start when the disk cannot hold them and
 checkpoints that stop sharing them.
 
 Each rank's store (disk tier) lives under `<offload.disk_dir or run_dir/expert-store>`, in
-`rank<r>/` on a multi-process run. Checkpoint hooks (the store written into
-`checkpoints/store_<step>/`) are in run_state.py.
+`rank<r>/` on a multi-process run. Under dynamic placement the residency is the node's shared
+store streamed through each rank's device (`DynamicOffload`, parallel/dynamic_residency.py).
+Checkpoints (each rank's experts in its own shard) are run_state.py's.
 """
 
 from __future__ import annotations

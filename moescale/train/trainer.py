@@ -8,7 +8,7 @@ Each optimizer step runs `train.grad_accum` micro-batches (bf16 autocast when
 and steps AdamW. Every step writes one metrics.jsonl record with the routed tokens per expert of
 every MoE layer (from `layer.last_stats`); every `eval_interval` steps a validation loss on
 fixed windows. Checkpoints are written every `checkpoint_interval` steps and at the end.
-Backends may add numbers to each record (`step_metrics`): with several devices, the modelled
+The exchange may add numbers to each record (`step_metrics`): with several devices, the modelled
 max/mean device load (`device_load_max_over_mean`; dynamic placement also the static
 placement's `static_load_max_over_mean`), shown in the progress bar and averaged over the run
 in the summary.
@@ -26,7 +26,7 @@ Offloading, expert parallelism and dynamic placement plug in as parts (assembly.
 ranks (one process or a torch.distributed world: each rank's slice of a batch, reductions of
 logged numbers), the exchange (shards the MoE layers, averages gradients over the ranks, adds
 per-step load numbers), the residency (resident or offloaded experts) with its expert-step
-handle (clips and steps the experts), and the checkpoint state (run_state.py: consolidated,
+handle (clips and steps the experts), and the checkpoint state (run_state.py: sharded,
 single-process format). Only rank 0 writes files and prints.
 
 Deliberately not here: the parts themselves, process launch (torchrun, or
