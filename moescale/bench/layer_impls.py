@@ -49,6 +49,8 @@ class Candidate:
     reduced: bool = False                # measured on fewer tokens than the case
     max_abs_diff: float | None = None    # output vs moescale on the same tokens (sanity)
     extra: dict = field(default_factory=dict)
+    loss_weights: list[torch.Tensor] = field(default_factory=list)   # g: the loss's, not the
+    # layer's (y * g saves g); excluded from the saved-activation count too
 
     def step(self) -> None:
         self.forward().backward()
@@ -136,6 +138,7 @@ def build_floor(moe: MoE, num_rows: int, split: bool, dtype, device,
     name = f"floor: {groups} FFNs, even split" if split else "floor: 1 dense FFN"
     return Candidate(name=name, family="floor", forward=forward, leaves=xs + params,
                      params=params, tokens=num_rows // moe.config.top_k, rows=num_rows,
+                     loss_weights=[g_RD],
                      note=floor_gemm_name(x_RD))
 
 
@@ -150,7 +153,8 @@ def build_moescale(moe: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor) -> Candidat
 
     return Candidate(name="moescale", family="moescale", forward=forward,
                      leaves=[x_TD] + params, params=params, tokens=x_TD.shape[0],
-                     rows=x_TD.shape[0] * moe.config.top_k, note="dropless")
+                     rows=x_TD.shape[0] * moe.config.top_k, note="dropless",
+                     loss_weights=[g_TD])
 
 
 def _reference_output(moe: MoE, x_TD: torch.Tensor, capacity_factor=None) -> torch.Tensor:
@@ -198,7 +202,7 @@ def build_naive_loop(moe: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor) -> Candid
     return Candidate(name="naive loop (masks + index_add_)", family="naive", forward=forward,
                      leaves=[x_TD] + params, params=params, tokens=x_TD.shape[0],
                      rows=x_TD.shape[0] * moe.config.top_k, note="dropless",
-                     max_abs_diff=diff)
+                     max_abs_diff=diff, loss_weights=[g_TD])
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -244,7 +248,7 @@ def build_hf(moe: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, implementation: s
         diff = _max_diff(block(x_1TD)[0], _reference_output(moe, x_TD))
     return Candidate(name=name, family="peer", forward=forward, leaves=[x_1TD] + params,
                      params=params, tokens=x_TD.shape[0], rows=x_TD.shape[0] * cfg.top_k,
-                     note=note, max_abs_diff=diff)
+                     note=note, max_abs_diff=diff, loss_weights=[g_1TD])
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
@@ -328,6 +332,7 @@ def build_deepspeed(moe: MoE, x_TD: torch.Tensor, g_TD: torch.Tensor, capacity_f
         plan = build_plan(route.scores_TK, route.expert_ids_TK, cfg.num_experts, capacity)
     return Candidate(name=name, family="peer", forward=forward, leaves=[x_1TD] + params,
                      params=params, tokens=num_tokens, rows=plan.num_rows, note=note,
+                     loss_weights=[g_1TD],
                      extra={"capacity": capacity, "padded_rows": capacity * cfg.num_experts,
                             "dropped_choices": plan.num_dropped})
 

@@ -5,8 +5,9 @@ intra-op thread team, and badly so when the cores are shared with other processe
 of the team is descheduled and the others wait at every GEMM. Measured on a busy 2-core VM:
 64 experts x 128-row GEMMs took 3.8x as long as one dense GEMM of the same size with the
 2-thread team, 1.4x with two workers of one thread each taking whole experts. This module
-gives each of N worker threads whole experts, balanced by rows (largest first), so the only
-synchronisation left is the final join.
+gives each of N worker threads whole experts (grouped_ffn hands them out largest first from
+one queue, so a descheduled worker does not hold up the others; `balance_experts` is the
+static LPT split), so the only synchronisation left is one lock per expert and the final join.
 
 Thread budget: B = min(torch's intra-op thread count, the usable CPUs). N = min(B, non-empty
 experts // 2) workers (none when N < 2), and each worker runs `worker_share(B, N)` = B // N

@@ -28,13 +28,14 @@ Legend: R rows, N rows of one chunk, T tokens, D model width, F expert hidden wi
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from moescale.layers.activations import Activation
-from moescale.layers.expert_threads import balance_experts, num_expert_workers, run_on_workers
+from moescale.layers.expert_threads import num_expert_workers, run_on_workers
 
 # Chunk buffers are sized to about this many bytes (fp32) so they stay in cache / the heap.
 CHUNK_BYTES = 16 << 20
@@ -172,25 +173,37 @@ def _activate(act: Activation, h_NF: torch.Tensor, h32_NF: torch.Tensor | None,
 
 def _run_chunks(counts, max_rows: int, device: torch.device,
                 make_buffers: Callable[[int], tuple], body: Callable) -> None:
-    """body(e, s, t, first, buffers) over every chunk: serially, or with whole experts spread
-    over CPU worker threads (see expert_threads); each worker owns its buffers."""
+    """body(e, s, t, first, buffers) over every chunk: serially, or with whole experts handed
+    out to CPU worker threads (see expert_threads) from one queue, largest first: a worker
+    takes the next expert when it is done with its last, so a worker that the OS deschedules
+    (a shared machine) leaves its remaining experts to the others instead of holding up the
+    join, as a fixed split would. Each worker owns its buffers; one expert's chunks run on one
+    worker, in order (its weight gradients accumulate over them)."""
     workers = num_expert_workers(device, counts)
     if not workers:
         buffers = make_buffers(_buffer_rows(counts, max_rows))
         for e, s, t, first in chunks(counts, max_rows):
             body(e, s, t, first, buffers)
         return
-    all_chunks = list(chunks(counts, max_rows))
+    by_expert: dict[int, list] = {}
+    for c in chunks(counts, max_rows):
+        by_expert.setdefault(c[0], []).append(c)
+    queue = iter(sorted(by_expert, key=lambda e: -counts[e]))
+    lock = threading.Lock()
+    buffer_rows = _buffer_rows(counts, max_rows)
 
-    def task(experts: set[int]):
-        mine = [c for c in all_chunks if c[0] in experts]
-
-        def run() -> None:
-            buffers = make_buffers(max(t - s for _, s, t, _ in mine))
-            for e, s, t, first in mine:
+    def run() -> None:
+        buffers = None
+        while True:
+            with lock:
+                e = next(queue, None)
+            if e is None:
+                return
+            if buffers is None:
+                buffers = make_buffers(buffer_rows)
+            for _, s, t, first in by_expert[e]:
                 body(e, s, t, first, buffers)
-        return run
-    run_on_workers([task(set(g)) for g in balance_experts(counts, workers)])
+    run_on_workers([run] * workers)
 
 
 def ffn_forward_blocks(num_rows: int, counts, w: FFNWeights, act: Activation,
