@@ -9,12 +9,18 @@ for the same training-time budget and reports both validation losses:
          token touches the same number of FFN parameters (the router's D x E gate is the only
          difference in active parameters; both counts are reported).
 
-Both get the same data stream, seed and AdamW settings. Equal time, also on a shared machine:
+The recipe is the named size with optional overrides (`--experts`, `--top-k`, `--lr`); the
+dense twin always has FFN width top_k * d_ff. Both get the same data stream, seed and AdamW
+settings. Each of `--seeds` (default two) trains a fresh pair; the result reports every
+seed's validation losses, the MoE - dense difference per seed, its mean and spread, and a
+loss-vs-wall-clock curve per model (validation on `--curve-batches` fixed windows at
+`--curve-points` equally spaced training times; those evaluations are not counted as training
+time). Equal time, also on a shared machine:
 the two are trained interleaved, one step of each in turn (so load from other processes hits
 both alike), and each stops once its own measured training time reaches the budget; the
 learning rate warms up over the first steps, then follows a cosine over the fraction of the
 time budget used (the step count is not known in advance). Validation loss is measured at the
-end on the same fixed windows. Writes `benchmarks/results/quality_<hardware>.json`.
+end on the same fixed windows. Writes `benchmarks/results/quality_<hardware>[_<tag>].json`.
 
 FastMoE and ES-MoE both report the MoE winning at equal compute; this measures whether we do,
 at this scale. This file only orchestrates `moescale.train`; it adds no training logic.
@@ -26,24 +32,42 @@ import argparse
 import math
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import hardware_tag, write_json
 from moescale.train.config import load_config
 
 
-def _overrides(args, run_dir: str, dense: bool, d_ff: int, top_k: int) -> dict:
+def _overrides(args, seed: int, run_dir: str, dense: bool, d_ff: int, top_k: int) -> dict:
     values = {"model.size": args.size, "train.steps": "1000000",
               "train.batch_size": str(args.batch_size), "train.seq_len": str(args.seq_len),
-              "train.seed": str(args.seed), "train.eval_batches": str(args.eval_batches),
+              "train.seed": str(seed), "train.eval_batches": str(args.eval_batches),
               "train.progress": "false", "train.sample_tokens": "0", "train.run_dir": run_dir}
+    if args.lr is not None:
+        values.update({"optim.lr": str(args.lr), "optim.min_lr": str(args.lr / 10)})
     if dense:
         values.update({"model.moe_every": "0", "model.d_ff": str(top_k * d_ff)})
+    else:
+        if args.experts is not None:
+            values["model.num_experts"] = str(args.experts)
+        values["model.top_k"] = str(top_k)
     return values
+
+
+def _curve_eval(trainer, batches: int) -> float:
+    """Validation loss on the first `batches` fixed windows (a cheaper point of the curve)."""
+    saved = trainer.val_windows
+    trainer.val_windows = saved[:batches]
+    try:
+        return trainer.evaluate()
+    finally:
+        trainer.val_windows = saved
 
 
 def lr_by_time(step: int, used_s: float, budget_s: float, optim, warmup_steps: int) -> float:
@@ -54,7 +78,7 @@ def lr_by_time(step: int, used_s: float, budget_s: float, optim, warmup_steps: i
     return optim.min_lr + (optim.lr - optim.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-def run(args) -> dict:
+def run(args, seed: int) -> dict:
     from moescale.models import gpt_config
     from moescale.train.trainer import Trainer, auto_threads
 
@@ -63,16 +87,19 @@ def run(args) -> dict:
         args.threads = auto_threads()[0]
     torch.set_num_threads(args.threads)
     base = gpt_config(args.size)
+    top_k = args.top_k if args.top_k is not None else base.top_k
     try:
         with tempfile.TemporaryDirectory(prefix="moescale-quality-") as root:
             trainers = {}
             for name in ("moe", "dense"):
                 run_dir = os.path.join(root, name)
-                cfg = load_config(None, _overrides(args, run_dir, name == "dense", base.d_ff,
-                                                   base.top_k))
+                cfg = load_config(None, _overrides(args, seed, run_dir, name == "dense",
+                                                   base.d_ff, top_k))
                 trainers[name] = Trainer(cfg, run_dir, out=open(os.devnull, "w"))
             used = {name: 0.0 for name in trainers}
             loss_tail = {name: [] for name in trainers}
+            curve = {name: [] for name in trainers}
+            marks = [args.seconds * (i + 1) / args.curve_points for i in range(args.curve_points)]
             # one step of each in turn, so that load from other processes hits both alike;
             # each stops once its own training time reaches the budget
             while any(used[n] < args.seconds for n in trainers):
@@ -85,11 +112,16 @@ def run(args) -> dict:
                     record = trainer.train_step(lr=lr)
                     used[name] += time.perf_counter() - t0
                     loss_tail[name] = (loss_tail[name] + [record["loss"]])[-20:]
+                    if len(curve[name]) < len(marks) - 1 and used[name] >= marks[len(curve[name])]:
+                        curve[name].append(dict(train_time_s=used[name], step=trainer.step,
+                                                val_loss=_curve_eval(trainer, args.curve_batches)))
             result = {}
             for name, trainer in trainers.items():
                 params = trainer.params
+                curve[name].append(dict(train_time_s=used[name], step=trainer.step,
+                                        val_loss=_curve_eval(trainer, args.curve_batches)))
                 result[name] = {
-                    "val_loss": trainer.evaluate(),
+                    "val_loss": trainer.evaluate(), "curve": curve[name],
                     "train_loss_last20": sum(loss_tail[name]) / len(loss_tail[name]),
                     "steps": trainer.step, "train_time_s": used[name],
                     "step_s": used[name] / trainer.step,
@@ -104,44 +136,86 @@ def run(args) -> dict:
     return result
 
 
+def _spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else None, "n": len(values)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moescale bench quality", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--seconds", type=float, default=120.0,
                         help="training-time budget per model (default 120)")
     parser.add_argument("--size", default="tiny", help="model size (default tiny)")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="MoE experts per layer (default: the size's)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="experts per token (default: the size's); the dense twin's FFN "
+                             "width is top_k * d_ff")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate for both (min lr = lr / 10; default: config)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seeds", default="1234,1235",
+                        help="comma-separated seeds, one MoE/dense pair each (default 2)")
     parser.add_argument("--eval-batches", type=int, default=32)
+    parser.add_argument("--curve-points", type=int, default=6,
+                        help="validation points on the loss-vs-wall-clock curve")
+    parser.add_argument("--curve-batches", type=int, default=8,
+                        help="validation windows per curve point")
     parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: auto, the CPUs the load leaves free)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: auto, the CPUs the load leaves free)")
+    parser.add_argument("--tag", default="", help="file-name suffix for this recipe")
     parser.add_argument("--out", default="benchmarks/results",
-                        help="folder for quality_<hardware>.json")
+                        help="folder for quality_<hardware>[_<tag>].json")
     args = parser.parse_args(argv)
     if not args.seconds > 0:
         raise ValueError(f"--seconds={args.seconds} must be > 0")
     if args.warmup_steps < 1:
         raise ValueError(f"--warmup-steps={args.warmup_steps} must be >= 1")
-    result = run(args)
-    moe, dense = result["moe"], result["dense"]
-    payload = {
-        "benchmark": "quality", "hardware": hardware_tag(torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")), "torch": torch.__version__,
-        "python": platform.python_version(), "threads": args.threads,
-        "seconds_per_model": args.seconds, "size": args.size, "batch_size": args.batch_size,
-        "seq_len": args.seq_len, "seed": args.seed, "moe": moe, "dense": dense,
-        "moe_wins": moe["val_loss"] < dense["val_loss"],
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    path = Path(args.out) / f"quality_{payload['hardware']}.json"
-    write_json(path, payload)
-    for name, r in (("moe", moe), ("dense", dense)):
-        print(f"{name:<6} val loss {r['val_loss']:.4f}  train loss {r['train_loss_last20']:.4f}  "
-              f"{r['steps']} steps in {r['train_time_s']:.1f} s  "
-              f"params {r['params_total']:,} total / {r['params_active']:,} active")
-    print(f"MoE {'wins' if payload['moe_wins'] else 'loses'} at equal training time "
-          f"({args.seconds:.0f} s each): {moe['val_loss']:.4f} vs {dense['val_loss']:.4f}")
+    if args.curve_points < 1 or args.curve_batches < 1:
+        raise ValueError(f"--curve-points={args.curve_points} and --curve-batches="
+                         f"{args.curve_batches} must be >= 1")
+    try:
+        seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds={args.seeds!r} must be comma-separated integers, "
+                         "e.g. 1234,1235") from None
+    if not seeds:
+        raise ValueError("--seeds is empty; give at least one seed, e.g. --seeds 1234,1235")
+    hardware = hardware_tag(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    path = Path(args.out) / f"quality_{hardware}{'_' + args.tag if args.tag else ''}.json"
+    runs = []
+    for seed in seeds:
+        result = run(args, seed)
+        moe, dense = result["moe"], result["dense"]
+        runs.append({"seed": seed, "moe": moe, "dense": dense,
+                     "moe_minus_dense": moe["val_loss"] - dense["val_loss"]})
+        for name, r in (("moe", moe), ("dense", dense)):
+            print(f"seed {seed} {name:<6} val loss {r['val_loss']:.4f}  train loss "
+                  f"{r['train_loss_last20']:.4f}  {r['steps']} steps in "
+                  f"{r['train_time_s']:.1f} s  params {r['params_total']:,} total / "
+                  f"{r['params_active']:,} active")
+        diffs = [r["moe_minus_dense"] for r in runs]
+        payload = {
+            "benchmark": "quality", "hardware": hardware, "cpu_flags": cpu_flags(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "threads": args.threads, "seconds_per_model": args.seconds, "size": args.size,
+            "recipe": {"experts": args.experts, "top_k": args.top_k, "lr": args.lr},
+            "batch_size": args.batch_size, "seq_len": args.seq_len, "seeds": seeds,
+            "runs": runs, "moe_minus_dense": _spread(diffs),
+            "moe_val": _spread([r["moe"]["val_loss"] for r in runs]),
+            "dense_val": _spread([r["dense"]["val_loss"] for r in runs]),
+            "moe_wins_every_seed": all(d < 0 for d in diffs), "complete": len(runs) == len(seeds),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        write_json(path, payload)
+    d = payload["moe_minus_dense"]
+    print(f"MoE - dense validation loss over {len(seeds)} seeds: mean {d['mean']:+.4f} "
+          f"(min {d['min']:+.4f}, max {d['max']:+.4f}); MoE "
+          f"{'wins on every seed' if payload['moe_wins_every_seed'] else 'does not win on every seed'}"
+          f" at equal training time ({args.seconds:.0f} s each)")
     print(f"wrote {path}")
     return 0
 
