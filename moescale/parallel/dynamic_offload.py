@@ -180,6 +180,7 @@ class StreamedSharedExperts(nn.Module):
         self.policy = policy
         self.anchor = torch.empty(0, requires_grad=True)
         self.owners_E: list[int] | None = None   # owners of the last pass (who steps)
+        self.before_inference = None    # collective callable run before a pass without grad
 
     @classmethod
     def replacing(cls, shared: SharedStoreExperts, store: ExpertStore,
@@ -232,6 +233,8 @@ class StreamedSharedExperts(nn.Module):
         if compute_dtype(x_RD) != torch.float32:
             raise ValueError("StreamedSharedExperts computes in fp32; run the MoE layer "
                              "without autocast (train.precision fp32)")
+        if not torch.is_grad_enabled() and self.before_inference is not None:
+            self.before_inference()     # e.g. the disk tier's views agreed after a load
         self.owners_E = list(owners_E)
         anchor = self.anchor if torch.is_grad_enabled() else self.anchor.detach()
         return _StreamedFn.apply(anchor, x_RD.float().contiguous(), self, tuple(counts),

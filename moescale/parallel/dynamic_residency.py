@@ -83,6 +83,8 @@ class DynamicOffload:
             if isinstance(moe, MoE) and isinstance(moe.experts, SharedStoreExperts):
                 moe.experts = StreamedSharedExperts.replacing(moe.experts, store,
                                                               self.rank_device, self.policy)
+                if coherence is not None:   # evaluation or sampling right after a load
+                    moe.experts.before_inference = coherence.fence_if_changed
                 layers.append(moe.experts)
         assert [x.layer_index for x in layers] == list(range(len(layers)))
         exchange.layers, exchange.store = layers, store    # the host copy goes (disk tier)

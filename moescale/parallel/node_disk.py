@@ -9,7 +9,8 @@ each expert's file generation (a checkpoint freezes files; the next write goes t
 gradient-on-disk flag, chunk sums and step count.
 
 `DiskCoherence(store, group).fence()` makes those views one, at points where no rank is inside
-a pass (every micro-batch's start, before clipping, after the expert steps):
+a pass (every micro-batch's start, before clipping, after the expert steps; before a pass
+without backward, `fence_if_changed`, when a checkpoint was loaded or saved since):
   1. write back every dirty record and empty the host slots (the next access reads the file);
   2. barrier: every rank's writes are in the files;
   3. all-gather what changed in each rank's view since the last fence (between two fences each
@@ -139,6 +140,16 @@ class DiskCoherence:
                 self.store.release(key, dirty=True, rows=M)     # copy on write: a new file
         self._round()
         assert not self.store.disk.frozen, sorted(self.store.disk.frozen)[:4]
+
+    def fence_if_changed(self) -> None:
+        """Collective over the node: a fence when any rank's view changed since the last one
+        (a checkpoint loaded or saved outside the training loop's fences); else one small
+        all-reduce. For passes without a backward (evaluation, sampling)."""
+        changed = torch.tensor([float(self._views() != self._seen)])
+        with collective_errors("disk store view check (all-reduce)", self.group):
+            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
+        if changed.item():
+            self.fence()
 
     def grad_sq(self, keys) -> torch.Tensor:
         """Sum of squares of the gradient accumulators of `keys` (read from this rank's

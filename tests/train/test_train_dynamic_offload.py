@@ -10,7 +10,8 @@ of every rank stays within its budget; the step-6 checkpoint (expert shards: eac
 block of the node's store; disk-tier records hard-linked) resumes on 2 dynamic ranks with the
 same residency and on one process with that residency (the offload engine), giving the
 uninterrupted numbers; a single-process resident checkpoint resumes on 2 dynamic disk-tier
-ranks; two micro-batches per step match too; unsupported offload options are refused.
+ranks; a finished disk-tier run resumes straight into the end-of-run sample (a forward right
+after loading); two micro-batches per step match too; unsupported offload options are refused.
 """
 
 from __future__ import annotations
@@ -149,3 +150,14 @@ def test_unsupported_offload_options_are_refused(option, value, message):
         overrides["optim.grad_clip"] = "0"
     with pytest.raises(ValueError, match=message):
         check_residency(load_config(None, overrides))
+
+
+@pytest.mark.timeout(200)
+def test_a_finished_disk_run_resumes_straight_into_sampling(corpus, dynamic_runs, tmp_path):
+    """Loading moves each rank's block of records to new files; a forward before any
+    training step (the end-of-run sample) must still read the current files."""
+    run_dir, _ = dynamic_runs["disk"]
+    again = resume_copy(run_dir, tmp_path / "again", STEPS)
+    summary = _train(_config(corpus, again, **DYNAMIC, **MODES["disk"],
+                             **{"train.sample_tokens": "8"}), again, 2, resume=True)
+    assert summary["sample"]
