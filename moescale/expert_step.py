@@ -4,7 +4,7 @@ Resident experts are ordinary parameters: the user's optimizer steps them, so th
 (`ResidentStep`) only clips (torch's global-norm clipping on one process; over the
 expert-parallel group's disjoint shards with `groups`). Offloaded experts are stepped by the
 offload engine's host optimizer (`moescale.offload.stepping.OffloadStep`); experts in a
-node-shared store by their owner of the iteration (`moescale.parallel.dynamic_step.
+node-shared store by their owner of the iteration (`moescale.shared_store.step.
 SharedStoreStep`). All three satisfy `ExpertStep`, so a loop is written once:
 
     step = ResidentStep()                      # or OffloadStep(engine), SharedStoreStep(...)

@@ -34,8 +34,8 @@ from moescale.layers.moe import MoE
 from moescale.offload.experts import OffloadedExpertsBase
 from moescale.offload.records import STATE
 from moescale.offload.store import ExpertStore
-from moescale.parallel.dynamic_experts import SharedStoreExperts
-from moescale.parallel.dynamic_offload import StreamedSharedExperts
+from moescale.shared_store.experts import SharedStoreExperts
+from moescale.shared_store.streamed import StreamedSharedExperts
 from moescale.parallel.expert_parallel import ExpertShard
 
 STACKED = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")   # the store layout's order

@@ -267,7 +267,7 @@ class ExpertStore:
         """A disk-tier store over the files another process of this machine wrote into
         `config.directory` (its add_layer calls, generation 0): the same layouts and the chunk
         sums it recorded (`disk.sums`); nothing is written. Each process caches records in its
-        own host slots: a caller sharing the files keeps them coherent (parallel/node_disk.py)."""
+        own host slots: a caller sharing the files keeps them coherent (shared_store/node_disk.py)."""
         if config.tier != "disk":
             raise ValueError(f"attach_disk needs tier='disk', not {config.tier!r}")
         store = cls(config)

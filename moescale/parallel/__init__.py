@@ -1,7 +1,8 @@
 """torch.distributed for MoE: process groups, the autograd all-to-all, static expert parallelism,
 the pipelined all-to-all (reuse strategies, cost model, tuner), gradient synchronization,
-portable state dicts, a local multi-process launcher, and dynamic placement (LPT with hot-expert
-splitting over a shared host store). See docs/expert_parallel.md and docs/dynamic_placement.md.
+portable state dicts, a local multi-process launcher, and dynamic placement's dispatcher (LPT
+with hot-expert splitting; the node-shared expert stores it runs over are moescale.shared_store).
+See docs/expert_parallel.md and docs/dynamic_placement.md.
 
 Importing this package imports torch.distributed; `moescale.layers` and `moescale.routing`
 never do.
@@ -12,8 +13,6 @@ from moescale.parallel.all_to_all import (all_reduce_sum, all_to_all_rows,
                                           start_all_to_all)
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, PlacementStats,
                                        load_model_config, placement_stats, sum_expert_grads)
-from moescale.parallel.dynamic_experts import (SharedStoreExperts, dynamic_placement_moe,
-                                               shared_expert_store, step_shared_experts)
 from moescale.parallel.choices import PipelineChoice, pipeline_choices
 from moescale.parallel.cost_model import LayerShape, Rates, choose_strategy, measure_rates
 from moescale.parallel.expert_parallel import (ExpertParallelDispatcher, ExpertShard,
@@ -33,8 +32,7 @@ from moescale.parallel.tuner import ChunkTuner, TunerConfig
 
 __all__ = [
     "DynamicPlacementDispatcher", "Placement", "PlacementConfig", "PlacementStats",
-    "SharedStoreExperts", "dynamic_placement_moe", "load_model_config", "placement_stats",
-    "plan_placement", "shared_expert_store", "step_shared_experts", "sum_expert_grads",
+    "load_model_config", "placement_stats", "plan_placement", "sum_expert_grads",
     "ChunkTuner", "ExpertParallelDispatcher", "ExpertShard", "LayerShape", "ParallelConfig",
     "ParallelGroups", "PipelineChoice", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher",
     "Rates", "pipeline_choices",

@@ -1,7 +1,7 @@
 """Dynamic expert placement (ES-MoE): every iteration, each expert runs where LPT puts it.
 
 Every rank of the group can compute every expert (all ranks share one host copy: the shared
-ExpertStore, see `dynamic_experts.py`; replicated `GroupedExperts` also work). Per MoE call:
+ExpertStore, see `moescale/shared_store/experts.py`; replicated `GroupedExperts` also work). Per MoE call:
 
   counts   = all-gather of every rank's per-expert row counts -> counts_WE on every rank (host)
   plan     = plan_placement(sum over ranks, config): the same deterministic LPT on every rank,
@@ -32,8 +32,8 @@ expert's FLOPs and measured device rates. After each call `dispatcher.stats` hol
 modelled per-device loads, max/mean and the number of split experts; `placement_stats(model)`
 condenses them over a model's layers for the trainer to log.
 
-Not here: the expert math and the optimizer step (dynamic_experts.py; streamed from a host or
-disk store through each rank's device: dynamic_offload.py), overlap of the exchanges with
+Not here: the expert math and the optimizer step (shared_store/experts.py; streamed from a host
+or disk store through each rank's device: shared_store/streamed.py), overlap of the exchanges with
 compute. Placement is within a node (the group); across nodes the experts are
 replicated per node (nodes.py).
 
@@ -296,7 +296,7 @@ class DynamicPlacementDispatcher:
                              "device computes partial gradients of the experts placed on it, "
                              "and per-process stores cannot sum them; use the node's shared "
                              "store (dynamic_placement_moe, streamed through each device by "
-                             "dynamic_offload.StreamedSharedExperts on the host or disk tier) "
+                             "shared_store.streamed.StreamedSharedExperts on the host or disk tier) "
                              "or replicated GroupedExperts")
         counts_WE = self.gather_counts(plan.counts, x_TD.device)
         placement = self.place(counts_WE)

@@ -23,9 +23,9 @@ expert) pair, layers in order and experts ascending, goes to local rank k % L), 
 L ranks reduce in parallel and no expert is sent twice. Every node ends with bitwise-equal
 accumulators (the all-reduce hands every member the same sum).
 
-Not here: the store (node_store.py), the per-node placement and experts (dynamic.py,
-dynamic_experts.py), the trainer's use of all this (train/exchange.py, parallel/dynamic_step.py). Nodes with
-different numbers of ranks are not supported.
+Not here: the store (shared_store/node_store.py), the per-node placement and experts
+(dynamic.py, shared_store/experts.py), the trainer's use of all this (train/exchange.py,
+shared_store/step.py). Nodes with different numbers of ranks are not supported.
 
 Legend: E experts of a layer, P parameters of one expert, N nodes, L ranks per node.
 """

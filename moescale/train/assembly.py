@@ -99,6 +99,9 @@ class Assembly:
             return name, text
         if self.residency.kind == "resident":
             return name, f"device-only, {where} on {device}"
+        if self.exchange.kind == "dynamic":    # the residency says where the store lives
+            how = "LPT + hot-expert splitting" if self.exchange.config.parallel.split else "LPT"
+            return name, f"{text}; placed each iteration by {how} on the node's ranks"
         return name, f"{text}; {where}"
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from moescale.layers.moe import MoE
-from moescale.parallel.dynamic_experts import PARAM_NAMES
+from moescale.shared_store.experts import PARAM_NAMES
 from moescale.train.optim import decay_groups
 
 STORE_ROWS = {"exp_avg": 2, "exp_avg_sq": 3}   # offload.store EXP_AVG, EXP_AVG_SQ

@@ -16,7 +16,7 @@ where each rank's experts live. One class per exchange, none per combination:
   by LPT on the node's ranks (`parallel.split`: hot experts' rows sharded). Resident, its
   experts compute on that host copy in place (its own step handle); offloaded (host or disk
   tier), the node's store is streamed through each rank's device (residency.py,
-  parallel/dynamic_residency.py).
+  shared_store/residency.py).
 
 An exchange's `step_metrics` adds the modelled per-rank load (and the pipelined layers'
 choices) to each step's record. Checkpoints are run_state.py's (sharded).
@@ -37,12 +37,12 @@ from moescale.offload.planner import fmt_bytes
 from moescale.parallel.choices import pipeline_choices
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
                                        static_load_stats)
-from moescale.parallel.dynamic_experts import dynamic_placement_moe
-from moescale.parallel.dynamic_step import SharedStoreStep
+from moescale.shared_store.experts import dynamic_placement_moe
+from moescale.shared_store.step import SharedStoreStep
 from moescale.parallel.expert_parallel import expert_parallel_model
 from moescale.parallel.grad_sync import allreduce_gradients
 from moescale.parallel.groups import ParallelConfig, init_distributed
-from moescale.parallel.node_store import node_expert_store
+from moescale.shared_store.node_store import node_expert_store
 from moescale.parallel.nodes import node_layout
 from moescale.parallel.placement import PlacementConfig
 from moescale.parallel.setup import dispatcher_factory

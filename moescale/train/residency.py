@@ -14,7 +14,7 @@ checkpoints that stop sharing them.
 
 Each rank's store (disk tier) lives under `<offload.disk_dir or run_dir/expert-store>`, in
 `rank<r>/` on a multi-process run. Under dynamic placement the residency is the node's shared
-store streamed through each rank's device (`DynamicOffload`, parallel/dynamic_residency.py).
+store streamed through each rank's device (`DynamicOffload`, shared_store/residency.py).
 Checkpoints (each rank's experts in its own shard) are run_state.py's.
 """
 
@@ -252,12 +252,12 @@ def check_residency(config: RunConfig) -> None:
 
 def make_residency(config: RunConfig, run_dir: Path, ranks, exchange):
     """The residency `config.offload` asks for; under dynamic placement the node's shared store
-    streamed through each rank's device (moescale.parallel.dynamic_residency)."""
+    streamed through each rank's device (moescale.shared_store.residency)."""
     check_residency(config)
     if config.offload.mode == "device-only":
         return Resident()
     if exchange.kind == "dynamic":      # the node's shared store, streamed per rank
-        from moescale.parallel.dynamic_residency import DynamicOffload
+        from moescale.shared_store.residency import DynamicOffload
 
         oc = config.offload
         root = Path(oc.disk_dir) if oc.disk_dir else run_dir / "expert-store"

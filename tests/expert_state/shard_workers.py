@@ -22,12 +22,12 @@ from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE
 from moescale.models.gpt import GPT, GPTConfig
 from moescale.offload import OffloadConfig, offload_moe
-from moescale.parallel.dynamic_experts import (SharedStoreExperts, dynamic_placement_moe,
+from moescale.shared_store.experts import (SharedStoreExperts, dynamic_placement_moe,
                                                step_shared_experts)
 from moescale.parallel.expert_parallel import ExpertShard, expert_parallel_model
 from moescale.parallel.grad_sync import allreduce_gradients
 from moescale.parallel.groups import ParallelConfig, build_groups
-from moescale.parallel.node_store import node_expert_store
+from moescale.shared_store.node_store import node_expert_store
 from moescale.parallel.placement import PlacementConfig
 from moescale.parallel.state import full_state_dict
 

@@ -115,7 +115,7 @@ def test_dynamic_rank_stopped_during_store_setup_leaves_no_shm_file(launcher, co
 
 
 def test_a_dead_owners_store_is_swept_and_a_live_ones_kept(tmp_path):
-    from moescale.parallel.node_store import store_name, sweep_stale_stores
+    from moescale.shared_store.node_store import store_name, sweep_stale_stores
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

@@ -20,7 +20,7 @@ from moescale.layers.moe import MoE
 from moescale.offload.store import ExpertStore, StoreConfig
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
                                        random_placement_hook, sum_expert_grads)
-from moescale.parallel.dynamic_experts import (PARAM_NAMES, dynamic_placement_moe,
+from moescale.shared_store.experts import (PARAM_NAMES, dynamic_placement_moe,
                                                shared_expert_store)
 from moescale.parallel.placement import PlacementConfig
 
@@ -117,7 +117,7 @@ def train_dynamic(rank: int, world: int, steps: int, state, layouts, placement: 
     dense and experts) and, on every rank, single-process offloaded training of the full
     batch: the losses (ranks' mean) agree step by step and the final expert masters match."""
     from moescale.offload import OffloadConfig, offload_moe
-    from moescale.parallel.dynamic_experts import step_shared_experts
+    from moescale.shared_store.experts import step_shared_experts
 
     single = _tiny_gpt()
     dyn = copy.deepcopy(single)
@@ -182,8 +182,8 @@ def check_streamed(rank: int, world: int, cases: list[dict], stores: list, root:
     stays within its budget. Returns per case the split experts and the device peaks."""
     import os
 
-    from moescale.parallel.dynamic_offload import RankDevice, StreamedSharedExperts
-    from moescale.parallel.node_disk import DiskCoherence, node_disk_store
+    from moescale.shared_store.streamed import RankDevice, StreamedSharedExperts
+    from moescale.shared_store.node_disk import DiskCoherence, node_disk_store
     from moescale.offload.direct_io import align_up
     from moescale.offload.records import G
 

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.distributed
 
 def _store_rank(rank: int, world: int, directory: str):
     from moescale.offload.store import MASTER
-    from moescale.parallel.dynamic_experts import expert_master
-    from moescale.parallel.node_store import node_expert_store
+    from moescale.shared_store.experts import expert_master
+    from moescale.shared_store.node_store import node_expert_store
 
     torch.manual_seed(rank)          # rank 1's own experts differ: only rank 0's may count
     moes = [MoE(8, 4, 2, d_ff=16), MoE(8, 6, 2, d_ff=12, glu=True)]

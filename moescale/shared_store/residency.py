@@ -21,10 +21,10 @@ from __future__ import annotations
 import os
 
 from moescale.layers.moe import MoE
-from moescale.parallel.dynamic_experts import SharedStoreExperts
-from moescale.parallel.dynamic_offload import POLICIES, RankDevice, StreamedSharedExperts
-from moescale.parallel.dynamic_step import StreamedStoreStep
-from moescale.parallel.node_disk import DiskCoherence, node_disk_store
+from moescale.shared_store.experts import SharedStoreExperts
+from moescale.shared_store.streamed import POLICIES, RankDevice, StreamedSharedExperts
+from moescale.shared_store.step import StreamedStoreStep
+from moescale.shared_store.node_disk import DiskCoherence, node_disk_store
 
 
 class DynamicOffload:

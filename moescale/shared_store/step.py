@@ -1,7 +1,7 @@
 """`SharedStoreStep`: the expert-step handle (moescale.expert_step) of dynamic placement.
 
 The experts of a node live in one host store shared by the node's ranks
-(parallel/dynamic_experts.py). After backward each rank averages its share of the node's
+(shared_store/experts.py). After backward each rank averages its share of the node's
 expert gradient accumulators over the nodes (`average_across_nodes`: the node accumulators
 hold node-mean gradients; their mean is the gradient of the mean loss over all tokens); the
 global norm counts the dense part once plus every expert's accumulator once (the shares are
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from moescale.parallel.dynamic_experts import step_shared_experts
+from moescale.shared_store.experts import step_shared_experts
 from moescale.parallel.grad_sync import clip_grad_norm_
 from moescale.parallel.nodes import average_across_nodes
 

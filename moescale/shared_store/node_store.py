@@ -47,7 +47,7 @@ import torch.distributed as dist
 from moescale.layers.moe import MoE
 from moescale.offload.store import MASTER, ExpertLayout, ExpertStore, StoreConfig
 from moescale.parallel.all_to_all import collective_errors
-from moescale.parallel.dynamic_experts import (
+from moescale.shared_store.experts import (
     expert_master,
     grouped_experts_of,
     grouped_layout,

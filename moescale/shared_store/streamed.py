@@ -49,7 +49,7 @@ from moescale.offload.chunked import row_starts
 from moescale.offload.records import G
 from moescale.offload.store import ExpertStore
 from moescale.parallel.all_to_all import collective_errors
-from moescale.parallel.dynamic_experts import PARAM_NAMES, SharedStoreExperts
+from moescale.shared_store.experts import PARAM_NAMES, SharedStoreExperts
 
 POLICIES = ("keep", "recompute")
 
