@@ -36,6 +36,16 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Make a finished temp directory `tmp` the directory `final` in one rename: every directory
+    under `tmp` is fsynced first (its files are the caller's to fsync) and `final`'s parent
+    after, so a crash leaves the old state or the whole new directory."""
+    for path, _, _ in os.walk(tmp):
+        fsync_dir(path)
+    os.replace(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
 @contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `final`; publish it atomically if the block succeeds.

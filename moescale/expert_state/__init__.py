@@ -20,9 +20,9 @@ The dense half of a checkpoint and the commit point are the caller's (moescale/t
 """
 
 from moescale.expert_state.holdings import expert_parameters, expert_state_keys
-from moescale.expert_state.index import FORMAT, ShardCheckpointError, shards_dir
+from moescale.expert_state.index import FORMAT, SHARDS_PREFIX, ShardCheckpointError, shards_dir
 from moescale.expert_state.load import load_expert_shards
 from moescale.expert_state.save import save_expert_shards
 
-__all__ = ["FORMAT", "ShardCheckpointError", "expert_parameters", "expert_state_keys",
-           "load_expert_shards", "save_expert_shards", "shards_dir"]
+__all__ = ["FORMAT", "SHARDS_PREFIX", "ShardCheckpointError", "expert_parameters",
+           "expert_state_keys", "load_expert_shards", "save_expert_shards", "shards_dir"]

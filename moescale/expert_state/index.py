@@ -53,9 +53,12 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+SHARDS_PREFIX = "expert-shards-"
+
+
 def shards_dir(tag: str) -> str:
     """The directory (relative to the checkpoint directory) of every rank's shard of `tag`."""
-    return f"expert-shards-{check_tag(tag)}"
+    return f"{SHARDS_PREFIX}{check_tag(tag)}"
 
 
 def tensor_name(key: str, e: int, part: str, name: str) -> str:

@@ -30,7 +30,7 @@ import math
 import os
 import shutil
 
-from moescale.atomic import fsync_dir
+from moescale.atomic import fsync_dir, publish_dir
 from moescale.expert_state.holdings import HeldLayer, held_layers
 from moescale.expert_state.index import (FORMAT, INDEX, TENSOR_FILE, digest, encode,
                                          layout_of, ranges_of, shards_dir, tensor_name)
@@ -168,10 +168,7 @@ def save_expert_shards(model, directory: str, *, rank: int, tag: str, optimizer=
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        for path, _, _ in os.walk(tmp):
-            fsync_dir(path)
-        os.replace(tmp, final)
-        fsync_dir(root)
+        publish_dir(tmp, final)
         fsync_dir(directory)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -46,7 +46,7 @@ import warnings
 
 import torch
 
-from moescale.atomic import atomic_write_text, fsync_dir
+from moescale.atomic import atomic_write_text, publish_dir
 from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up, chunk_sums
 from moescale.offload.records import POS_GRAD, STATE, G, rows_of
 from moescale.offload.store import LOGICAL_POS, ExpertStore
@@ -180,10 +180,7 @@ def _publish(directory: str, tag: str, layouts, num_experts, write) -> str:
                     num_experts=list(num_experts), experts=write(tmp))
         atomic_write_text(os.path.join(tmp, "manifest.json"),
                           json.dumps(dict(body=body, sha256=_digest(body))))
-        for root, _, _ in os.walk(tmp):
-            fsync_dir(root)
-        os.replace(tmp, final)
-        fsync_dir(directory)
+        publish_dir(tmp, final)
         atomic_write_text(os.path.join(directory, LATEST), name)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)

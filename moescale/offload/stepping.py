@@ -12,7 +12,21 @@ caller so that nothing here depends on how experts are exchanged.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def dir_bytes(path) -> int:
+    """Bytes of the files under `path` (files vanishing meanwhile count 0)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
 
 
 class OffloadStep:
@@ -55,21 +69,12 @@ class OffloadStep:
 
     def memory(self) -> dict:
         """The device's peak and budget; for the disk tier the store's file and I/O bytes."""
-        import os
-
         engine = self.engine
         engine.synchronize()
         out = {"device_peak_bytes": int(engine.device.peak_bytes),
                "device_budget_bytes": engine.device.budget_bytes}
         if engine.store.config.tier == "disk":
-            total = 0
-            for root, _, files in os.walk(engine.store.config.directory):
-                for name in files:
-                    try:
-                        total += os.path.getsize(os.path.join(root, name))
-                    except OSError:
-                        pass
-            out["disk_bytes"] = total
+            out["disk_bytes"] = dir_bytes(engine.store.config.directory)
             out["disk_read_bytes"] = int(engine.store.bytes_read)
             out["disk_written_bytes"] = int(engine.store.bytes_written)
         return out

@@ -119,26 +119,35 @@ def split_ranks(world_size: int, ep_size: int) -> tuple[list[list[int]], list[li
     return ep_groups, dp_groups
 
 
-def init_distributed(config: ParallelConfig | None = None) -> ParallelGroups:
-    """Initialize torch.distributed from torchrun's environment (once) and build the groups.
+def init_default_group(config: ParallelConfig,
+                       launch_hint: str = "`torchrun --nproc-per-node N ...`, or call "
+                                          "torch.distributed.init_process_group yourself "
+                                          "first") -> None:
+    """Initialize torch.distributed's default group from torchrun's environment, once.
 
-    Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for NCCL). If the default
-    group already exists it is reused and only the groups are built.
-    """
-    config = config or ParallelConfig()
-    backend = config.resolved_backend()
+    Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for NCCL); a missing one
+    is a ValueError that tells how to launch (`launch_hint`). An existing group is kept."""
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
-    if not dist.is_initialized():
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                   if k not in os.environ]
-        if missing:
-            raise ValueError(f"environment variables {', '.join(missing)} are not set; launch "
-                             "with `torchrun --nproc-per-node N ...`, or call "
-                             "torch.distributed.init_process_group yourself first")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=config.timeout)
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise ValueError(f"environment variables {', '.join(missing)} are not set; launch "
+                         f"with {launch_hint}")
+    backend = config.resolved_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=config.timeout)
+
+
+def init_distributed(config: ParallelConfig | None = None) -> ParallelGroups:
+    """Initialize torch.distributed from torchrun's environment (once: init_default_group) and
+    build the groups. If the default group already exists only the groups are built.
+    """
+    config = config or ParallelConfig()
+    init_default_group(config)
     return build_groups(config)
 
 

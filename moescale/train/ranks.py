@@ -14,13 +14,13 @@ Legend: B batch rows, S sequence.
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
 from moescale.parallel.all_to_all import collective_errors
+from moescale.parallel.groups import ParallelConfig, init_default_group
 
 
 def world_size_of_launch() -> int:
@@ -70,18 +70,9 @@ class WorldRanks:
     environment when it is not yet: gloo without CUDA, NCCL with it)."""
 
     def __init__(self, timeout_s: float, backend: str = "auto") -> None:
-        if not dist.is_initialized():
-            missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                       if k not in os.environ]
-            if missing:
-                raise ValueError(f"environment variables {', '.join(missing)} are not set; "
-                                 "launch with `torchrun --nproc-per-node N -m moescale train "
-                                 "...` (or moescale.train.launch.train_distributed)")
-            if backend == "auto":
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        init_default_group(ParallelConfig(backend=backend, timeout_s=timeout_s),
+                           "`torchrun --nproc-per-node N -m moescale train ...` (or "
+                           "moescale.train.launch.train_distributed)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.writer = self.rank == 0
         self.device = torch.device("cpu") if dist.get_backend() == "gloo" else \

@@ -31,23 +31,12 @@ from moescale.layers.moe import MoE
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.direct_io import align_up
 from moescale.offload.planner import fmt_bytes
-from moescale.offload.stepping import OffloadStep
+from moescale.offload.stepping import OffloadStep, dir_bytes
 from moescale.offload.store import default_host_cache
 from moescale.train.config import RunConfig
 
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-def dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
 
 
 def _moes(model) -> list[MoE]:

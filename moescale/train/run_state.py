@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from moescale.expert_state import (expert_parameters, expert_state_keys, load_expert_shards,
-                                   save_expert_shards, shards_dir)
+from moescale.expert_state import (SHARDS_PREFIX, expert_parameters, expert_state_keys,
+                                   load_expert_shards, save_expert_shards, shards_dir)
 from moescale.train.checkpoint import list_checkpoints, nonfinite, optimizer_from_flat
 from moescale.train.legacy_state import LegacyState
 
@@ -114,8 +114,8 @@ class RunState:
         kept = {f"{step:08d}" for step, _ in list_checkpoints(ckpt_dir)}
         keep = {shards_dir(tag) for tag in kept} | {f"store_{tag}" for tag in kept}
         for entry in ckpt_dir.iterdir():
-            old = entry.name.startswith(("store_", shards_dir("0")[:-1]))
-            if old and entry.name not in keep and entry.is_dir():
+            ours = entry.name.startswith(("store_", SHARDS_PREFIX))
+            if ours and entry.name not in keep and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
 
     # -- load ----------------------------------------------------------------------------
