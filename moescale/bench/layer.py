@@ -360,7 +360,8 @@ def _result(opts, argv, device, started, rows, skipped, checks, complete: bool) 
         threads=torch.get_num_threads(), command="moescale bench layer " + " ".join(argv),
         options={k: v for k, v in asdict(opts).items()}, gemm=_gemm_choices(opts, device),
         rss_meaning="peak RSS delta of one warm forward + backward in a fresh process "
-                    "(layer_memory.py): saved activations, transients, weight gradients",
+                    "(layer_memory.py; glibc returns freed blocks >= 64 KiB at once): saved "
+                    "activations, transients, weight gradients",
         loss="(y * g).sum() with a fixed random g",
         rows_meaning="routed rows computed per step (tokens x k dropless; kept choices under "
                      "a capacity factor; padding not counted)",

@@ -6,7 +6,10 @@ benchmark (same weights, same input), runs one warm-up step (one-time allocation
 scratch, thread pools, the first weight gradients), drops the gradients, returns freed heap to
 the kernel (`malloc_trim(0)`), reads VmRSS, resets the high-water mark (`/proc/self/clear_refs`
 with "5") and runs one more step; the delta is VmHWM - VmRSS. It therefore counts everything a
-step allocates and touches: saved activations, transients and the weight gradients.
+step allocates and touches: saved activations, transients and the weight gradients. As in
+`bench ep-memory`, glibc is told first to hand every freed block of 64 KiB or more back to the
+kernel at once (`ep_memory_rank.release_freed_memory`), so the resident set follows the live
+tensors (the step's working set), not what the heap happens to keep of freed ones.
 
 Linux only (needs /proc/self/clear_refs and glibc's malloc_trim); elsewhere `measure` returns
 None and the benchmark reports the cell without a memory figure. This file times nothing.
@@ -56,8 +59,10 @@ def step_rss_delta(step, reset) -> int:
 
 def _child(spec: dict) -> dict:
     from moescale.bench import layer
+    from moescale.bench.ep_memory_rank import release_freed_memory
     from moescale.bench.layer_impls import Candidate, ensure_process_group
 
+    release_freed_memory()
     torch.set_num_threads(spec["threads"])
     opts = layer.LayerBenchOptions(**spec["options"])
     case = layer.LayerCase(**spec["case"])

@@ -10,7 +10,9 @@ full-size gradient, and no R x F temporary is ever allocated (fresh large alloca
 page faults that can rival the GEMMs on a CPU).
 
 Saved for backward: the layer input and the pre-activation hidden(s); the activation is
-recomputed per chunk. The autograd Functions that wire these kernels in (`GroupedFFNRows`, and
+recomputed per chunk, and (`release_hidden`) each chunk's pages of the saved hidden go back to
+the kernel once its backward is done (page_release.py), so that the weight gradients written
+expert by expert replace the hidden instead of adding to it at the peak. The autograd Functions that wire these kernels in (`GroupedFFNRows`, and
 `GroupedFFNRouted`, which fuses gather, score weighting and combine) live in
 grouped_ffn_autograd.py.
 
@@ -36,6 +38,7 @@ import torch
 
 from moescale.layers.activations import Activation
 from moescale.layers.expert_threads import num_expert_workers, run_on_workers
+from moescale.layers.page_release import release_rows
 
 # Chunk buffers are sized to about this many bytes (fp32) so they stay in cache / the heap.
 CHUNK_BYTES = 16 << 20
@@ -279,7 +282,7 @@ def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
                         x_rows: Callable, gy_rows: Callable, dx_dest: Callable | None,
                         dx_done: Callable | None, scale_R, need_dw: bool, *,
                         like: torch.Tensor | None = None, into: FFNWeights | None = None,
-                        max_rows: int | None = None):
+                        max_rows: int | None = None, release_hidden: bool = False):
     """Backward over blocks. gy_rows(s, t) gives dL/d(scaled y) rows (unscaled by the score);
     dx_dest(s, t, n) the buffer for the block's input gradient (it may alias the block's gy or
     x rows: they are read before dx is written), dx_done(s, t, dx) consumes it.
@@ -287,6 +290,8 @@ def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
     h1_RF None: the hidden is recomputed per block from x_rows (GEMM 1 again, into a block
     buffer of `like`'s dtype, exactly as ffn_forward_blocks computed it). `into`: weight
     gradients accumulate into these tensors (zeroed by the caller) instead of fresh ones.
+    release_hidden: each block's rows of h1_RF / h3_RF go back to the kernel once the block is
+    done with them (page_release; the caller checks `releasable` first).
     Returns (FFNWeights of grads or Nones, dscale_R fp32 or None)."""
     hidden = w.w1_EDF.shape[2]
     like = h1_RF if h1_RF is not None else like
@@ -342,6 +347,9 @@ def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
             dh3_NF = torch.mul(ga_NF, a1_NF, out=a_NF)
             ga_NF.mul_(h3_blk)
         dh1_NF = act.backward_into(ga_NF, h1_NF, a1_NF)
+        if release_hidden and h1_RF is not None:    # the block's last read of h1 and h3
+            release_rows(h1_blk)
+            release_rows(h3_blk)
         if need_dw:
             mm_into(gw.w1_EDF[e], x_ND.t(), dh1_NF, accumulate=not first)
             if gw.b1_EF is not None:
@@ -373,8 +381,9 @@ def _set_or_add(dst: torch.Tensor, value: torch.Tensor, first: bool) -> None:
 
 def ffn_backward(gy_RD, x_RD, h1_RF, h3_RF, counts, w: FFNWeights, act: Activation,
                  scale_R: torch.Tensor | None = None, need_dx: bool = True,
-                 need_dw: bool = True):
+                 need_dw: bool = True, release_hidden: bool = False):
     """Gradients of y_r = scale_r * ffn_e(x_r) given gy_RD = dL/d(scaled y) (unscaled rows).
+    release_hidden: as in ffn_backward_blocks.
 
     Returns (dx_RD, FFNWeights of grads (entries None when not wanted), dscale_R or None).
     """
@@ -384,7 +393,7 @@ def ffn_backward(gy_RD, x_RD, h1_RF, h3_RF, counts, w: FFNWeights, act: Activati
         counts, w, act, h1_RF, h3_RF, x_rows=lambda s, t: x_RD[s:t].to(work),
         gy_rows=lambda s, t: gy_RD[s:t].to(work),
         dx_dest=(lambda s, t, n: dx_RD[s:t]) if need_dx else None, dx_done=None,
-        scale_R=scale_R, need_dw=need_dw)
+        scale_R=scale_R, need_dw=need_dw, release_hidden=release_hidden)
     if dscale_R is not None:
         dscale_R = dscale_R.to(scale_R.dtype)
     return dx_RD, gw, dscale_R

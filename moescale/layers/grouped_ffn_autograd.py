@@ -23,10 +23,18 @@ import torch
 
 from moescale.layers.grouped_ffn import (FFNWeights, ffn_backward, ffn_backward_blocks,
                                          ffn_forward, ffn_forward_blocks, work_dtype)
+from moescale.layers.page_release import hidden_pointer, releasable
 
 
 def _weights_from(args) -> FFNWeights:
     return FFNWeights(*args)
+
+
+def _release(ctx, h1_RF, h3_RF) -> bool:
+    """Whether backward may hand the saved hidden's pages back block by block (page_release):
+    both hiddens (h3 for GLU) must qualify."""
+    p1, p3 = ctx.hidden_ptrs
+    return releasable(h1_RF, p1) and (h3_RF is None or releasable(h3_RF, p3))
 
 
 def _grads_tuple(gw: FFNWeights, ctx_needs) -> tuple:
@@ -43,6 +51,7 @@ class GroupedFFNRows(torch.autograd.Function):
         with torch.autocast(x_RD.device.type, enabled=False):
             y_RD, h1_RF, h3_RF = ffn_forward(x_RD, counts, w, act)
         ctx.counts, ctx.act = counts, act
+        ctx.hidden_ptrs = (hidden_pointer(h1_RF), hidden_pointer(h3_RF))
         ctx.save_for_backward(x_RD, h1_RF, h3_RF, w1, w2, w3, b1, b2)
         return y_RD
 
@@ -53,7 +62,8 @@ class GroupedFFNRows(torch.autograd.Function):
         with torch.autocast(x_RD.device.type, enabled=False):
             dx_RD, gw, _ = ffn_backward(gy_RD.contiguous(), x_RD, h1_RF, h3_RF, ctx.counts,
                                         _weights_from(wts), ctx.act,
-                                        need_dx=ctx.needs_input_grad[0], need_dw=any(w_needs))
+                                        need_dx=ctx.needs_input_grad[0], need_dw=any(w_needs),
+                                        release_hidden=_release(ctx, h1_RF, h3_RF))
         return (dx_RD, None, None) + _grads_tuple(gw, w_needs)
 
 
@@ -114,6 +124,7 @@ class GroupedFFNRouted(torch.autograd.Function):
             y_TD = gather_sum(y_XD, inv_JT).to(x_TD.dtype)
             del y_XD
         ctx.counts, ctx.act = counts, act
+        ctx.hidden_ptrs = (hidden_pointer(h1_RF), hidden_pointer(h3_RF))
         ctx.save_for_backward(x_TD, scores_R, token_idx_R, inv_JT, h1_RF, h3_RF,
                               w1, w2, w3, b1, b2)
         return y_TD
@@ -133,7 +144,8 @@ class GroupedFFNRouted(torch.autograd.Function):
                 x_rows=lambda s, t: x_TD.index_select(0, token_idx_R[s:t]).to(work),
                 gy_rows=lambda s, t: gy_TD.index_select(0, token_idx_R[s:t]).to(work),
                 dx_dest=(lambda s, t, n: dx_XD[s:t]) if need_dx else None, dx_done=None,
-                scale_R=scores_R, need_dw=any(w_needs))
+                scale_R=scores_R, need_dw=any(w_needs),
+                release_hidden=_release(ctx, h1_RF, h3_RF))
             dx_TD = gather_sum(dx_XD, inv_JT).to(x_TD.dtype) if need_dx else None
         dscale_R = dscale_R.to(scores_R.dtype) if ctx.needs_input_grad[1] else None
         return (dx_TD, dscale_R, None, None, None) + _grads_tuple(gw, w_needs)
