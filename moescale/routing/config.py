@@ -54,11 +54,13 @@ class RouterConfig:
                 f"use top_k <= {self.num_experts} or add experts"
             )
         if self.kind == "switch" and self.top_k != 1:
-            raise ValueError(f"the switch router routes top_k=1, got top_k={self.top_k}; "
-                             "use router kind 'topk' for top_k > 1")
+            raise ValueError(f"the switch router sends each token to one expert, got "
+                             f"top_k={self.top_k}: set top_k=1 (moescale train: --model.top_k "
+                             f"1), or keep top_k={self.top_k} with router kind 'topk'")
         if self.kind == "gshard" and self.top_k != 2:
-            raise ValueError(f"the gshard router routes top_k=2, got top_k={self.top_k}; "
-                             "use router kind 'topk' for other values")
+            raise ValueError(f"the gshard router sends each token to two experts, got "
+                             f"top_k={self.top_k}: set top_k=2 (moescale train: --model.top_k "
+                             f"2), or keep top_k={self.top_k} with router kind 'topk'")
         if not (0.0 <= self.jitter_eps < 1.0) or math.isnan(self.jitter_eps):
             raise ValueError(f"jitter_eps={self.jitter_eps!r} must lie in [0, 1)")
         if self.noise_std_min < 0:
