@@ -1,13 +1,20 @@
 """`moescale plan`: memory per tier, predicted step time and the pick of each offloading mode.
 
     moescale plan --moe-layers 24 --d-model 1536 --d-ff 6144 --experts 64 --tokens 8192 \
-        --device-gb 40 --host-gb 512 --disk-gb 4096 [--rates a100|measure] [--max-experts]
+        --device-gb 40 --host-gb 512 --disk-gb 4096 [--rates a100|measure] [--max-experts] \
+        [--dense-params N] [--vocab-size V [--untied-embeddings]]
 
 `--rates a100` (default) uses ES-MoE's machine (A100-40GB, PCIe 4, NVMe); `--rates measure`
 measures this machine first at this model's sizes (expert GEMMs, expert copy, host AdamW: each
 the median of warm timings; the disk through the store's direct-I/O path on a 1 GiB file under
 `--disk-dir`: about half a minute). `--max-experts` also
-prints the largest expert count each mode holds within the budgets.
+prints the largest expert count each mode holds within the budgets. `--dense-params` (every
+non-expert parameter but the vocabulary's: attention, norms, routers, dense FFN layers; default
+4 d_model^2 per layer + the routers) and `--vocab-size` (token embedding and LM head, tied
+unless `--untied-embeddings`; default 0: not counted) put the dense part's weights, AdamW state,
+logits and compute into every mode's device memory and step time. Under the table, each mode's
+step time by part: the work of each part and what it adds to the step (work that overlaps
+another part adds only its excess, so the added times sum to the step).
 
 Deliberately not here: running anything but the measurement probes.
 """
@@ -42,14 +49,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="a100", choices=["a100", "measure"])
     p.add_argument("--disk-dir", default=None, help="where --rates measure probes the disk")
     p.add_argument("--max-experts", action="store_true")
+    p.add_argument("--dense-params", type=int, default=None,
+                   help="non-expert parameters besides the vocabulary's (default: 4 d_model^2 "
+                        "per layer + routers)")
+    p.add_argument("--vocab-size", type=int, default=0,
+                   help="token embedding + LM head rows (0: not counted)")
+    p.add_argument("--untied-embeddings", action="store_true",
+                   help="the LM head has its own weights (default: tied to the embedding)")
     return p
+
+
+def breakdown_lines(ests) -> list[str]:
+    """Each mode's step time by part: 'work / added to the step' per cell."""
+    names = list(dict.fromkeys(name for e in ests for name in e.breakdown))
+    width = max(map(len, names)) + 2
+    lines = [f"{'part':<{width}}" + "".join(f"{e.mode:>24}" for e in ests)]
+    for name in names:
+        cells = []
+        for e in ests:
+            work, added = e.breakdown.get(name, (None, None))
+            cells.append("-" if work is None else
+                         f"{fmt_seconds(work)} / {fmt_seconds(added)}")
+        lines.append(f"{name:<{width}}" + "".join(f"{c:>24}" for c in cells))
+    lines.append(f"{'step':<{width}}" + "".join(f"{fmt_seconds(e.step_s):>24}" for e in ests))
+    return lines
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     spec = ModelSpec(moe_layers=args.moe_layers, d_model=args.d_model, d_ff=args.d_ff,
                      num_experts=args.experts, top_k=args.top_k, tokens=args.tokens,
-                     micro_batches=args.micro_batches, glu=args.glu, dtype=args.dtype)
+                     micro_batches=args.micro_batches, glu=args.glu, dtype=args.dtype,
+                     dense_params=args.dense_params, vocab_size=args.vocab_size,
+                     tie_embeddings=not args.untied_embeddings)
     budgets = Budgets(device_bytes=int(args.device_gb * GB), host_bytes=int(args.host_gb * GB),
                       disk_bytes=int(args.disk_gb * GB),
                       host_cache_bytes=None if args.host_cache_gb is None
@@ -58,7 +90,8 @@ def main(argv=None) -> int:
         else A100_NODE
     ests, pick = plan(spec, budgets, rates, step_mode=args.step_mode)
     print(f"model: {spec.moe_layers} MoE layers, d_model {spec.d_model}, d_ff {spec.d_ff}, "
-          f"{spec.num_experts} experts, top-{spec.top_k}, {spec.tokens} tokens, {spec.dtype}")
+          f"{spec.num_experts} experts, top-{spec.top_k}, {spec.tokens} tokens, {spec.dtype}; "
+          f"dense {spec.dense_params:,} + vocabulary {spec.vocab_params:,} parameters")
     print(f"budgets: device {fmt_bytes(budgets.device_bytes)}, host "
           f"{fmt_bytes(budgets.host_bytes)}, disk {fmt_bytes(budgets.disk_bytes)}; rates: "
           f"{args.rates}")
@@ -67,6 +100,8 @@ def main(argv=None) -> int:
         print(f"{e.mode:<8} {fmt_bytes(e.device_bytes):>11} {fmt_bytes(e.host_bytes):>11} "
               f"{fmt_bytes(e.disk_bytes):>11} {'yes' if e.fits else 'no':>5} "
               f"{fmt_seconds(e.step_s):>11}")
+    print("\nstep time by part (work / added to the step; overlapped work adds its excess):")
+    print("\n".join(breakdown_lines(ests)))
     if args.max_experts:
         print("\nlargest expert count per layer that fits:")
         for mode in MODES:

@@ -51,7 +51,7 @@ Legend: E experts per layer, P parameters of one expert.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from moescale.offload.direct_io import align_up
 from moescale.offload.rates import A100_NODE, Rates
@@ -74,6 +74,8 @@ class ModelSpec:
     glu: bool = False
     dtype: str = "bfloat16"       # compute precision
     dense_params: int | None = None   # None: 4 d_model^2 (attention) per layer + routers
+    vocab_size: int = 0           # token embedding + LM head (0: not counted)
+    tie_embeddings: bool = True   # the head shares the embedding's weights
 
     def __post_init__(self) -> None:
         for name in ("moe_layers", "d_model", "d_ff", "num_experts", "top_k", "tokens",
@@ -81,11 +83,20 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("dense_params", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r} must be an integer >= 0")
         if self.dtype not in ITEMSIZE:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use one of {', '.join(ITEMSIZE)}")
         if self.dense_params is None:
             self.dense_params = self.moe_layers * (4 * self.d_model ** 2 +
                                                    self.d_model * self.num_experts)
+
+    @property
+    def vocab_params(self) -> int:
+        """Embedding (and an untied head): vocab_size x d_model each."""
+        return self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
 
     @property
     def expert_params(self) -> int:
@@ -126,12 +137,42 @@ class ModeEstimate:
     fits: bool
     step_s: float
     parts: dict
+    # part -> (seconds of work per step, seconds of them on the step's critical path); the
+    # second column sums to step_s (overlapped work shows only what it adds)
+    breakdown: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+class _Path:
+    """The step's critical path built part by part, and each part's share of it."""
+
+    def __init__(self) -> None:
+        self.work: dict[str, float] = {}
+        self.exposed: dict[str, float] = {}
+
+    def serial(self, base: float, parts: dict[str, float]) -> float:
+        """Parts run one after another after `base` seconds: all of them add."""
+        for name, s in parts.items():
+            self.work[name], self.exposed[name] = s, s
+        return base + sum(parts.values())
+
+    def beside(self, base: float, parts: dict[str, float]) -> float:
+        """Parts (one after another) run beside the `base` seconds already on the path: only
+        their excess over it adds, shared in proportion to their work."""
+        total = sum(parts.values())
+        extra = max(0.0, total - base)
+        for name, s in parts.items():
+            self.work[name], self.exposed[name] = s, extra * s / total if total > 0 else 0.0
+        return base + extra
+
+    def table(self) -> dict[str, tuple[float, float]]:
+        return {name: (self.work[name], self.exposed[name]) for name in self.work}
 
 
 def _activation_bytes(m: ModelSpec) -> int:
     rows = m.tokens * m.top_k
     per_layer = m.tokens * m.d_model + rows * m.d_ff * (2 if m.glu else 1) + rows * 16
-    return m.moe_layers * per_layer * m.itemsize
+    logits = m.tokens * m.vocab_size * (m.itemsize + 4)   # logits + fp32 log-softmax
+    return m.moe_layers * per_layer * m.itemsize + logits
 
 
 def cache_saved_rows(slots: int, records: int) -> float:
@@ -163,29 +204,31 @@ def disk_traffic(m: ModelSpec, cache_bytes: int) -> tuple[int, int]:
 
 def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = "eager",
              pin_fraction: float = 0.25, lookahead: int = 1) -> ModeEstimate:
-    """Memory per tier and predicted step time of one mode."""
+    """Memory per tier and predicted step time of one mode, with its breakdown."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; use one of {', '.join(MODES)}")
     P, E, L = m.expert_params, m.num_experts, m.moe_layers
     copy_bytes = P * m.itemsize                        # one expert in compute precision
     state_bytes = 16 * P + (0 if m.itemsize == 4 else copy_bytes)
-    dense = m.dense_params * (16 + (0 if m.itemsize == 4 else m.itemsize)) + _activation_bytes(m)
+    dense_params = m.dense_params + m.vocab_params
+    dense = dense_params * (16 + (0 if m.itemsize == 4 else m.itemsize)) + _activation_bytes(m)
     flops = 3 * 2 * m.tokens * m.top_k * (3 if m.glu else 2) * m.d_model * m.d_ff * L
-    dense_flops = 6 * m.tokens * m.dense_params
-    compute = (flops + dense_flops) / r.flops_per_s
-    if mode != "device" and r.stream_flops_per_s:   # the streamed walk's own compute rate
-        compute = flops / r.stream_flops_per_s + dense_flops / r.flops_per_s
+    dense_flops = 6 * m.tokens * (m.dense_params + m.vocab_size * m.d_model)  # head GEMM
+    expert_rate = r.stream_flops_per_s if mode != "device" and r.stream_flops_per_s \
+        else r.flops_per_s                              # the streamed walk's own rate
+    mb = m.micro_batches
+    path = _Path()
+    compute = path.serial(0.0, {"dense compute": mb * dense_flops / r.flops_per_s,
+                                "expert compute": mb * flops / expert_rate})
     used = min(E, m.tokens * m.top_k)
     slots = (2 + lookahead) * copy_bytes + copy_bytes   # rotating slots + one gradient
     host_state = L * E * 16 * P
-    mb = m.micro_batches
-    compute *= mb
     parts = dict(compute_s=compute)
     if mode == "device":
         device, host, disk = dense + L * E * state_bytes, 0, 0
         adam = L * E * P / r.device_adam_params_per_s
         parts["device_adam_s"] = adam
-        step = compute + adam
+        step = path.serial(compute, {"device AdamW": adam})
     else:
         pinned = int(pin_fraction * E) if mode == "pin" else 0
         device = dense + L * pinned * copy_bytes + slots
@@ -194,12 +237,16 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
         download = mb * L * used * copy_bytes / r.d2h_bytes_per_s
         adam = L * E * P / r.adam_params_per_s
         parts.update(upload_s=upload, download_s=download, host_adam_s=adam)
-        if not r.overlap:
-            step = compute + upload + download + adam
-        elif step_mode == "eager":
-            step = max(compute, upload + download, adam)
-        else:
-            step = max(compute, upload + download) + adam
+        transfers = {"uploads": upload, "gradient downloads": download}
+        deferred_overlap = r.overlap and step_mode == "deferred"
+        if not r.overlap:               # a CPU "device": copies and AdamW share the cores
+            step = path.serial(compute, {**transfers, "host AdamW": adam})
+        elif step_mode == "eager":      # max(compute, transfers, adam)
+            step = path.beside(path.beside(compute, transfers), {"host AdamW": adam})
+        else:                           # max(compute, transfers) + adam
+            step = path.beside(compute, transfers)
+            if mode != "disk":
+                step = path.serial(step, {"host AdamW": adam})
         if mode == "disk":
             row = align_up(4 * P)
             cache = b.host_cache_bytes if b.host_cache_bytes is not None else b.host_bytes // 2
@@ -209,23 +256,28 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
             read_s, write_s = read / r.disk_read_bytes_per_s, write / r.disk_write_bytes_per_s
             parts.update(disk_s=read_s + write_s, disk_read_bytes_per_step=read,
                          disk_write_bytes_per_step=write, disk_bytes_per_step=read + write)
-            if r.overlap and step_mode == "deferred":
-                step = max(compute, upload + download, read_s) + max(adam, write_s)
-            else:
-                step = max(step, read_s + write_s)
+            if deferred_overlap:        # max(compute, transfers, reads) + max(adam, writes)
+                step = path.beside(step, {"disk reads": read_s})
+                step += path.beside(path.serial(0.0, {"host AdamW": adam}),
+                                    {"disk writes": write_s})
+            else:                       # the disk's threads beside all of it
+                step = path.beside(step, {"disk reads": read_s, "disk writes": write_s})
         else:
             host, disk = host_state, 0
     fits = device <= b.device_bytes and host <= b.host_bytes and disk <= b.disk_bytes
-    return ModeEstimate(mode, int(device), int(host), int(disk), fits, step, parts)
+    return ModeEstimate(mode, int(device), int(host), int(disk), fits, step, parts,
+                        path.table())
 
 
 def plan(m: ModelSpec, b: Budgets, r: Rates, **kw) -> tuple[list[ModeEstimate], str | None]:
-    """Every mode's estimate and the pick: the fastest that fits (ties: the simpler)."""
+    """Every mode's estimate and the pick: the fastest that fits; among equally fast ones (to
+    the microsecond) the one using the least device memory, then the simpler."""
     ests = [estimate(m, b, r, mode, **kw) for mode in MODES]
     fitting = [e for e in ests if e.fits]
     if not fitting:
         return ests, None
-    best = min(fitting, key=lambda e: (round(e.step_s, 9), MODES.index(e.mode)))
+    best = min(fitting, key=lambda e: (round(e.step_s, 6), e.device_bytes,
+                                       MODES.index(e.mode)))
     return ests, best.mode
 
 

@@ -61,18 +61,21 @@ def _gpt_like():
     return torch.nn.Sequential(MoE(32, 8, 2, d_ff=64), MoE(32, 8, 2, d_ff=64))
 
 
-@pytest.mark.parametrize("device_bytes,host_bytes,want,tier,pin", [
-    (1 << 30, 1 << 30, "device", "host", 1.0),         # everything fits on the device
-    (240_000, 1 << 30, "pin", "host", 0.25),            # the device holds slots + hot experts
-    (240_000, 1 << 19, "disk", "disk", 0.0),            # the host cannot hold the state
+@pytest.mark.parametrize("device_bytes,host_bytes,step_mode,want,tier,pin", [
+    (1 << 30, 1 << 30, "eager", "device", "host", 1.0),    # everything fits on the device
+    (240_000, 1 << 30, "deferred", "pin", "host", 0.25),   # slots + hot experts: fewer uploads
+    (240_000, 1 << 30, "eager", "host", "host", 0.0),      # as fast as pin (AdamW-bound), less
+                                                           # device memory
+    (240_000, 1 << 19, "eager", "disk", "disk", 0.0),      # the host cannot hold the state
 ])
-def test_auto_tier_follows_the_planner(tmp_path, device_bytes, host_bytes, want, tier, pin):
+def test_auto_tier_follows_the_planner(tmp_path, device_bytes, host_bytes, step_mode, want,
+                                       tier, pin):
     from moescale.offload import OffloadConfig, offload_moe
     model = _gpt_like()
     engine = offload_moe(model, OffloadConfig(
         tier="auto", tokens_per_micro_batch=64, device_budget_bytes=device_bytes,
         host_budget_bytes=host_bytes, host_cache_bytes=1 << 19, directory=str(tmp_path),
-        rates="a100", device="cpu"))
+        rates="a100", device="cpu", step_mode=step_mode))
     assert engine.plan[1] == want
     assert engine.config.tier == tier and engine.config.pin_fraction == pin
     import torch
