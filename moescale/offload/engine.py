@@ -45,6 +45,7 @@ from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
 from moescale.layers.shard import ExpertShard
 from moescale.offload.auto import resolve_auto
+from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.cache import DeviceCache
 from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.direct_io import align_up
@@ -75,6 +76,8 @@ class OffloadConfig:
     pin_fraction: float = 0.0
     ema_decay: float = 0.9
     shared_memory: bool = False
+        self.moved = MovedParameters()    # what offload_moe took out (usage_checks.py)
+        self._awaiting_step = False       # a last micro-batch's backward ran, no step() yet
     io_threads: int = 4
     optimizer: AdamWConfig | None = None
     # tier="auto" only: the planner's inputs (see auto.py)
@@ -144,6 +147,8 @@ class OffloadEngine:
                              "expert, layout) -> flat fp32 tensor of layout.numel numbers")
         else:
             def init(e):
+        if traced and self._awaiting_step:
+            raise ValueError(NOT_STEPPED)
                 return torch.cat([p.detach()[e].reshape(-1).float() for _, p in params])
         layer = self.store.add_layer(layout, experts.num_experts, init)
         module = OffloadedGroupedExperts(self, layer, experts.num_experts, experts.d_model,
@@ -160,6 +165,7 @@ class OffloadEngine:
             lambda e: torch.cat([p.detach().reshape(-1).float()
                                  for p in modules[e].parameters()]))
         module = OffloadedModuleExperts(self, layer, modules, d_model, layout)
+        self._awaiting_step = self._awaiting_step or last
         self.layers.append(module)
         return module
 
@@ -238,9 +244,12 @@ class OffloadEngine:
 
     # ----------------------------------------------------------------- training loop
     def follow(self, dense_optimizer: torch.optim.Optimizer) -> None:
-        """Share lr / betas / eps / weight_decay (and so the LR schedule) with it."""
+        """Share lr / betas / eps / weight_decay (and so the LR schedule) with it. Raises
+        ValueError when it holds the experts' old parameters (built before offload_moe)."""
+        self.moved.check(dense_optimizer)
         self.optimizer.follow(dense_optimizer)
 
+        self._awaiting_step = False
     def begin_micro_batch(self, last: bool = True) -> None:
         """Declare whether the coming forward/backward is the last of this step's micro-batches
         (eager mode steps experts during that backward)."""
@@ -248,6 +257,7 @@ class OffloadEngine:
 
     def hand_gradient(self, key: Key, grads, reservation, last: bool) -> None:
         if isinstance(self.device, SimulatedDevice):
+        self._awaiting_step = False       # nothing is left to apply
             self.optimizer.accumulate(key, grads, last=last, on_done=reservation.release)
         else:
             transfer = self.device.download(grads)
@@ -289,9 +299,11 @@ class OffloadEngine:
         (a training loop's guard against a non-finite loss or gradient norm). In eager mode
         the experts whose steps already ran during backward stay stepped (their gradients were
         finite: the host optimizer refuses the others)."""
+        self._awaiting_step = False
         self.zero_grad()
         self.optimizer.end_iteration_unstepped()
         self._end_iteration()
+        self.moved.close()
 
     def _end_iteration(self) -> None:
         self._grad_coef = None
@@ -338,6 +350,7 @@ class OffloadEngine:
         the store must be the one saved with that tag."""
         self.synchronize()
         self.cache.clear()
+        engine.moved.add(experts.parameters())
         load_store(self.store, directory, first_expert, total_experts, tag)
 
     def close(self) -> None:
@@ -350,6 +363,7 @@ class OffloadEngine:
 
 def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
                 expert_init=None) -> OffloadEngine:
+    engine.moved.watch_optimizer_steps()
     """Move the experts of every MoE layer of `model` into an ExpertStore (in place).
 
     expert_init(layer, expert, layout) -> flat fp32 [layout.numel], if given, initialises the
