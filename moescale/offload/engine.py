@@ -45,8 +45,8 @@ from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
 from moescale.layers.shard import ExpertShard
 from moescale.offload.auto import resolve_auto
-from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.cache import DeviceCache
+from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.direct_io import align_up
 from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
@@ -76,8 +76,6 @@ class OffloadConfig:
     pin_fraction: float = 0.0
     ema_decay: float = 0.9
     shared_memory: bool = False
-        self.moved = MovedParameters()    # what offload_moe took out (usage_checks.py)
-        self._awaiting_step = False       # a last micro-batch's backward ran, no step() yet
     io_threads: int = 4
     optimizer: AdamWConfig | None = None
     # tier="auto" only: the planner's inputs (see auto.py)
@@ -132,6 +130,8 @@ class OffloadEngine:
         self.plan = None  # set by offload_moe for tier='auto'
         self._trace: list[tuple[int, list[int]]] = []
         self._grad_coef: float | None = None
+        self.moved = MovedParameters()    # what offload_moe took out (usage_checks.py)
+        self._awaiting_step = False       # a last micro-batch's backward ran, no step() yet
 
     # ----------------------------------------------------------------- setup
     def add(self, experts: GroupedExperts, expert_init=None) -> OffloadedGroupedExperts:
@@ -147,8 +147,6 @@ class OffloadEngine:
                              "expert, layout) -> flat fp32 tensor of layout.numel numbers")
         else:
             def init(e):
-        if traced and self._awaiting_step:
-            raise ValueError(NOT_STEPPED)
                 return torch.cat([p.detach()[e].reshape(-1).float() for _, p in params])
         layer = self.store.add_layer(layout, experts.num_experts, init)
         module = OffloadedGroupedExperts(self, layer, experts.num_experts, experts.d_model,
@@ -165,7 +163,6 @@ class OffloadEngine:
             lambda e: torch.cat([p.detach().reshape(-1).float()
                                  for p in modules[e].parameters()]))
         module = OffloadedModuleExperts(self, layer, modules, d_model, layout)
-        self._awaiting_step = self._awaiting_step or last
         self.layers.append(module)
         return module
 
@@ -204,6 +201,8 @@ class OffloadEngine:
             order.sort(key=lambda e: not self.cache.is_resident((layer, e)))  # pinned first
             orders.append(order)
         flat = [e for order in orders for e in order]
+        if traced and self._awaiting_step:
+            raise ValueError(NOT_STEPPED)
         if traced:
             self._trace.append((layer, flat))
         self.cache.observe(layer, [sum(col) for col in zip(*chunk_counts)])
@@ -220,6 +219,7 @@ class OffloadEngine:
         """The backward's order per chunk (chunks in the given order; within one, pinned
         experts first, then the others in reverse). last_chunk[e]: the chunk whose backward
         steps expert e in eager mode (default: every chunk, i.e. the only one)."""
+        self._awaiting_step = self._awaiting_step or last
         for i in range(len(self._trace) - 1, -1, -1):
             if self._trace[i][0] == layer:
                 del self._trace[i]
@@ -249,7 +249,6 @@ class OffloadEngine:
         self.moved.check(dense_optimizer)
         self.optimizer.follow(dense_optimizer)
 
-        self._awaiting_step = False
     def begin_micro_batch(self, last: bool = True) -> None:
         """Declare whether the coming forward/backward is the last of this step's micro-batches
         (eager mode steps experts during that backward)."""
@@ -257,7 +256,6 @@ class OffloadEngine:
 
     def hand_gradient(self, key: Key, grads, reservation, last: bool) -> None:
         if isinstance(self.device, SimulatedDevice):
-        self._awaiting_step = False       # nothing is left to apply
             self.optimizer.accumulate(key, grads, last=last, on_done=reservation.release)
         else:
             transfer = self.device.download(grads)
@@ -299,14 +297,13 @@ class OffloadEngine:
         (a training loop's guard against a non-finite loss or gradient norm). In eager mode
         the experts whose steps already ran during backward stay stepped (their gradients were
         finite: the host optimizer refuses the others)."""
-        self._awaiting_step = False
         self.zero_grad()
         self.optimizer.end_iteration_unstepped()
         self._end_iteration()
-        self.moved.close()
 
     def _end_iteration(self) -> None:
         self._grad_coef = None
+        self._awaiting_step = False
         self.last_micro_batch = True
         self._trace.clear()
         self.cache.repin(reserve_rotating=2 + self.config.lookahead)
@@ -314,6 +311,7 @@ class OffloadEngine:
     def zero_grad(self) -> None:
         """Discard every expert's accumulated gradient (e.g. after a backward that should not
         count); the dense side is the user's optimizer.zero_grad()."""
+        self._awaiting_step = False       # nothing is left to apply
         self.optimizer.wait_all()
         for key in self.store.keys():
             rec = self.store.acquire(key, G)
@@ -350,10 +348,11 @@ class OffloadEngine:
         the store must be the one saved with that tag."""
         self.synchronize()
         self.cache.clear()
-        engine.moved.add(experts.parameters())
+        self._awaiting_step = False
         load_store(self.store, directory, first_expert, total_experts, tag)
 
     def close(self) -> None:
+        self.moved.close()
         self.synchronize()
         self.cache.clear()
         self.optimizer.close()
@@ -363,7 +362,6 @@ class OffloadEngine:
 
 def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
                 expert_init=None) -> OffloadEngine:
-    engine.moved.watch_optimizer_steps()
     """Move the experts of every MoE layer of `model` into an ExpertStore (in place).
 
     expert_init(layer, expert, layout) -> flat fp32 [layout.numel], if given, initialises the
@@ -393,6 +391,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
         if shard is not None and expert_init is not None:   # local expert l = global start + l
             def init(layer, e, layout, _start=shard.expert_ids.start):
                 return expert_init(layer, _start + e, layout)
+        engine.moved.add(experts.parameters())
         if isinstance(experts, GroupedExperts):
             offloaded = engine.add(experts, init)
         elif isinstance(experts, ModuleExperts):
@@ -405,6 +404,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
         else:
             shard.local = offloaded
     engine.finish_setup()
+    engine.moved.watch_optimizer_steps()
     return engine
 
 
