@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-import tomllib
+from moescale.toml_compat import tomllib
 from pathlib import Path
 
 from moescale.train.config import help_text, load_config

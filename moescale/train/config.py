@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
+from moescale.toml_compat import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moescale.toml_compat import tomllib
 from moescale.train.assembly import check_parts
 from moescale.train.config import RunConfig, help_text, load_config, to_toml
 from moescale.train.data import TokenBatches, is_validation, load_data
@@ -21,7 +22,7 @@ def test_toml_then_overrides_with_types(tmp_path):
     assert cfg.model.num_experts == 32 and cfg.train.steps == 50
     assert cfg.model.capacity_factor == 1.25 and cfg.optim.lr == 2e-3
     assert cfg.train.precision == "bf16" and cfg.train.progress is True
-    again = load_config(None, base=__import__("tomllib").loads(to_toml(cfg)))
+    again = load_config(None, base=tomllib.loads(to_toml(cfg)))
     assert again == cfg
 
 
