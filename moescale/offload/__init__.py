@@ -4,7 +4,8 @@ device cache, and step on the host. Entry point: `offload_moe(model, OffloadConf
 See docs/offloading.md for the data flow, fences and memory accounting.
 """
 
-from moescale.offload.engine import OffloadConfig, OffloadEngine, offload_moe
+from moescale.offload.config import OffloadConfig
+from moescale.offload.engine import OffloadEngine, offload_moe
 from moescale.offload.optimizer import AdamWConfig, HostOptimizer
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 

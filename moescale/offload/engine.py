@@ -34,7 +34,6 @@ trainer's).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -49,65 +48,12 @@ from moescale.offload.cache import DeviceCache
 from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.direct_io import align_up
-from moescale.offload.experts import POLICIES, OffloadedGroupedExperts
+from moescale.offload.experts import OffloadedGroupedExperts
 from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
-from moescale.offload.optimizer import STEP_MODES, AdamWConfig, HostOptimizer
+from moescale.offload.config import DTYPES, OffloadConfig
+from moescale.offload.optimizer import AdamWConfig, HostOptimizer
 from moescale.offload.records import ALL, G, M
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(kw_only=True)
-class OffloadConfig:
-    """How experts are offloaded. Give the device budget in bytes or in experts (of the
-    largest layer, in compute precision)."""
-
-    tier: str = "host"
-    directory: str | None = None
-    host_cache_bytes: int | None = None
-    device: str = "auto"
-    device_budget_bytes: int | None = None
-    device_budget_experts: float | None = None
-    compute_dtype: str = "float32"
-    activation_policy: str = "keep"
-    step_mode: str = "eager"
-    lookahead: int = 1
-    pin_fraction: float = 0.0
-    ema_decay: float = 0.9
-    shared_memory: bool = False
-    io_threads: int = 4
-    optimizer: AdamWConfig | None = None
-    # tier="auto" only: the planner's inputs (see auto.py)
-    tokens_per_micro_batch: int | None = None
-    host_budget_bytes: int | None = None
-    rates: str = "measure"
-
-    def __post_init__(self) -> None:
-        if self.activation_policy not in POLICIES:
-            raise ValueError(f"activation_policy={self.activation_policy!r} is unknown; use "
-                             f"one of {', '.join(POLICIES)}")
-        if self.step_mode not in STEP_MODES:
-            raise ValueError(f"step_mode={self.step_mode!r} is unknown; use one of "
-                             f"{', '.join(STEP_MODES)}")
-        if self.compute_dtype not in DTYPES:
-            raise ValueError(f"compute_dtype={self.compute_dtype!r} is unknown; use one of "
-                             f"{', '.join(DTYPES)}")
-        if self.device_budget_bytes is not None and self.device_budget_experts is not None:
-            raise ValueError("give device_budget_bytes or device_budget_experts, not both")
-        if self.device_budget_experts is not None and not self.device_budget_experts > 0:
-            raise ValueError(f"device_budget_experts={self.device_budget_experts!r} must be > 0")
-        if self.tier == "auto":
-            if self.tokens_per_micro_batch is None or self.device_budget_bytes is None:
-                raise ValueError("tier='auto' needs tokens_per_micro_batch=<tokens per "
-                                 "micro-batch> and device_budget_bytes=<device memory for "
-                                 "training>, the planner's inputs")
-            if self.rates not in ("measure", "a100"):
-                raise ValueError(f"rates={self.rates!r} must be 'measure' or 'a100'")
-            return
-        StoreConfig(tier=self.tier, directory=self.directory,
-                    host_cache_bytes=self.host_cache_bytes, io_threads=self.io_threads)
-
 
 class OffloadEngine:
     """Device + store + host optimizer + device cache for the offloaded MoE layers of a model."""
@@ -118,7 +64,7 @@ class OffloadEngine:
         kind = config.device
         cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
         self.store = ExpertStore(StoreConfig(
-            tier=config.tier, directory=config.directory,
+            tier=config.store_tier, directory=config.directory,
             host_cache_bytes=config.host_cache_bytes, pin_memory=cuda,
             shared_memory=config.shared_memory, io_threads=config.io_threads))
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
@@ -182,7 +128,7 @@ class OffloadEngine:
                              f"{2 * largest} bytes (device_budget_experts=2)")
         self.device = make_device(cfg.device, budget)
         self.cache = DeviceCache(self.device, self.store, self.optimizer, self.dtype,
-                                 lookahead=cfg.lookahead, pin_fraction=cfg.pin_fraction,
+                                 lookahead=cfg.lookahead, pin_fraction=cfg.pinned_share,
                                  ema_decay=cfg.ema_decay)
 
     # ----------------------------------------------------------------- schedule
@@ -369,6 +315,10 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
     their experts in memory (grouped experts only; `expert` is the global id, also for
     expert-parallel layers)."""
     config = config or OffloadConfig()
+    if config.tier == "device-only":
+        raise ValueError("tier='device-only' keeps the experts resident on the device: there is "
+                         "nothing to offload; give tier='host', 'pin', 'disk' or 'auto', or do "
+                         "not call offload_moe")
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         raise ValueError("offload_moe found no MoE layer in the model; build it with "
@@ -376,6 +326,10 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
     shards = [_expert_shard(m) for m in moes]
     planned = None
     if config.tier == "auto":
+        if config.tokens_per_micro_batch is None or config.device_budget_bytes is None:
+            raise ValueError("tier='auto' needs tokens_per_micro_batch=<tokens per "
+                             "micro-batch> and device_budget_bytes=<device memory for "
+                             "training>, the planner's inputs")
         if any(s is not None for s in shards):
             raise ValueError("tier='auto' plans one process's experts; this model is "
                              "expert-parallel (ExpertShard layers): give tier='host' or "

@@ -27,39 +27,49 @@ import torch
 import torch.distributed as dist
 
 from moescale.parallel.cost_model import STRATEGY_NAMES
+from moescale.sizes import Size
 
 BACKENDS = ("auto", "gloo", "nccl")
+REUSE_CHOICES = (*STRATEGY_NAMES, "auto")
+PLACEMENTS = ("static", "dynamic")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """How the world is split, and how the EP exchange runs.
+    """How the world is split, and how experts and their tokens are exchanged (FastMoE,
+    MPipeMoE, ES-MoE's placement). The trainer's run config nests it as `[parallel]`; a
+    field's trailing comment is its documentation (--help shows it).
 
-    ep_size:   ranks the experts are split over (None: the whole world).
-    backend:   "auto" (nccl with CUDA, else gloo), "gloo" or "nccl".
-    timeout_s: process-group timeout; a collective waiting longer raises.
-    chunks:    1 (plain exchange), a chunk count (pipelined), or "auto" (online tuner).
-    reuse:     pipelined memory reuse: "none", "S1".."S4", or "auto" (cost model).
-    memory_limit_bytes: per-rank peak bytes one layer step may reach (forward + backward,
-        weight gradients included; see moescale.parallel.memory_model). Bounds the automatic
-        choices: reuse="auto" picks among the strategies that fit, chunks="auto" tries only
-        chunk counts at which one fits (more chunks when needed); a fixed chunk count at which
-        nothing fits raises, naming the fewest that would.
+    memory_limit_bytes bounds the automatic choices (forward + backward of one layer, weight
+    gradients included; see moescale.parallel.memory_model): reuse="auto" picks among the
+    strategies that fit, chunks="auto" tries only chunk counts at which one fits (more chunks
+    when needed); a fixed chunk count at which nothing fits raises, naming the fewest that would.
     """
 
-    ep_size: int | None = None
-    backend: str = "auto"
-    timeout_s: float = 300.0
-    chunks: int | str = 1
-    reuse: str = "none"
-    memory_limit_bytes: float | None = None
+    ep_size: int | None = None      # ranks the experts of each layer are split over (None: the
+                                    # whole world)
+    backend: str = "auto"           # auto (nccl with CUDA, else gloo) | gloo | nccl
+    timeout_s: float = 300.0        # a collective waiting longer fails instead of hanging
+    chunks: int | str = 1           # pipelined all-to-all: 1 (plain exchange), a chunk count, or
+                                    # auto (tuned online)
+    reuse: str = "none"             # pipelined memory reuse: none | S1..S4 | auto (cost model)
+    memory_limit_bytes: Size | None = None   # pipelined, per rank: peak bytes one MoE layer step
+                                             # may reach (unset: no limit)
+    placement: str = "static"       # static (expert e on rank e // (E / ep_size)) | dynamic
+                                    # (the ranks of a node share one expert copy; LPT placement
+                                    # by token load every iteration)
+    split: bool = True              # dynamic: shard the rows of experts heavier than a device's
+                                    # share over several devices
+    node_size: int = 0              # dynamic: ranks per node (each node its own expert copy,
+                                    # gradients averaged across nodes); 0: the ranks of a machine
 
     def __post_init__(self) -> None:
-        if self.chunks != "auto" and (not isinstance(self.chunks, int) or self.chunks < 1):
+        if self.chunks != "auto" and (not isinstance(self.chunks, int) or
+                                      isinstance(self.chunks, bool) or self.chunks < 1):
             raise ValueError(f"chunks={self.chunks!r} must be a positive integer or 'auto'")
-        if self.reuse not in (*STRATEGY_NAMES, "auto"):
-            raise ValueError(f"reuse={self.reuse!r} is unknown; use none, S1, S2, S3, S4 or "
-                             "auto")
+        if self.reuse not in REUSE_CHOICES:
+            raise ValueError(f"reuse={self.reuse!r} is unknown; use one of "
+                             f"{', '.join(REUSE_CHOICES)}")
         if self.ep_size is not None and (not isinstance(self.ep_size, int) or self.ep_size < 1):
             raise ValueError(f"ep_size={self.ep_size!r} must be a positive integer (the number "
                              "of ranks the experts are split over), or None for the world size")
@@ -72,6 +82,12 @@ class ParallelConfig:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 seconds (collectives "
                              "that wait longer fail instead of hanging)")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is unknown; use one of "
+                             f"{', '.join(PLACEMENTS)}")
+        if not isinstance(self.node_size, int) or self.node_size < 0:
+            raise ValueError(f"node_size={self.node_size!r} must be >= 0 (0: the ranks of each "
+                             "machine; N: nodes of N consecutive ranks)")
 
     def resolved_backend(self) -> str:
         if self.backend == "auto":

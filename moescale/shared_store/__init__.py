@@ -12,7 +12,7 @@ the other:
   mapped by the others), `sweep_stale_stores`;
 - node_disk.py: the same store on the disk tier (`node_disk_store`, the ranks' file views);
 - streamed.py: `StreamedSharedExperts` (the store streamed through each rank's device budget);
-- residency.py: `DynamicOffload` (dynamic placement with offload.mode host or disk);
+- residency.py: `DynamicOffload` (dynamic placement with offload.tier host or disk);
 - step.py: the expert-step handles `SharedStoreStep`, `StreamedStoreStep`.
 See docs/dynamic_placement.md.
 """

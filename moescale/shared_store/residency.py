@@ -1,6 +1,6 @@
 """`DynamicOffload`: where dynamic placement's experts live when they are offloaded.
 
-The residency half of `moescale train --parallel.placement dynamic --offload.mode host|disk`
+The residency half of `moescale train --parallel.placement dynamic --offload.tier host|disk`
 (the trainer's assembly applies the exchange first, which puts the node's experts in one host
 store in /dev/shm, then `prepare`):
 - `host`: that store stays; each MoE layer's experts become `StreamedSharedExperts` over it,
@@ -42,7 +42,7 @@ class DynamicOffload:
                  lookahead: int = 1, mode: str | None = None) -> None:
         if tier not in ("host", "disk"):
             raise ValueError(f"dynamic placement streams experts from a host or disk store, "
-                             f"not tier {tier!r}; use offload.mode host or disk")
+                             f"not tier {tier!r}; use offload.tier host or disk")
         if tier == "disk" and not directory:
             raise ValueError("the disk tier needs a directory for the node's expert files")
         if activation_policy not in POLICIES:
@@ -67,9 +67,9 @@ class DynamicOffload:
         store, coherence = exchange.store, None
         if self.tier == "disk":
             if layout.num_nodes > 1:
-                raise ValueError(f"offload.mode='disk' with parallel.placement='dynamic' runs "
+                raise ValueError(f"offload.tier='disk' with parallel.placement='dynamic' runs "
                                  f"on one node; this run has {layout.num_nodes} nodes of "
-                                 f"{layout.node_size} ranks; use offload.mode host")
+                                 f"{layout.node_size} ranks; use offload.tier host")
             store = node_disk_store(exchange.store, group,
                                     os.path.join(self.directory, f"node{layout.node}"),
                                     host_cache_bytes=self.host_cache_bytes)

@@ -76,7 +76,7 @@ class StreamedStoreStep(SharedStoreStep):
         if coherence is not None and layout.num_nodes > 1:
             raise ValueError(f"dynamic placement over a disk-tier store runs on one node; this "
                              f"run has {layout.num_nodes} (parallel.node_size "
-                             f"{layout.node_size}); use offload.mode host across nodes")
+                             f"{layout.node_size}); use offload.tier host across nodes")
         self.rank_device, self.coherence = rank_device, coherence
         self._coef: float | None = None
 

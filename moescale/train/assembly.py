@@ -19,11 +19,13 @@ combination: a part that cannot serve a combination refuses it with its own erro
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 from moescale.train.config import RunConfig
 from moescale.train.exchange import check_exchange, check_launch, make_exchange
-from moescale.train.ranks import make_ranks
+from moescale.train.ranks import make_ranks, world_size_of_launch
 from moescale.train.residency import check_residency, make_residency
 from moescale.train.run_state import RunState
 
@@ -38,9 +40,12 @@ class Assembly:
     """The parts of one run (see the module docstring)."""
 
     def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        if config.parallel.ep_size is None:     # the library's "the whole world"
+            config.parallel = dataclasses.replace(config.parallel,
+                                                  ep_size=world_size_of_launch())
         check_parts(config)
         check_launch(config)
-        self.ranks = make_ranks(config.parallel.timeout_s)
+        self.ranks = make_ranks(config.parallel.timeout_s, config.parallel.backend)
         run_dir = Path(self.ranks.agree(str(run_dir)))      # rank 0's choice
         self.run_dir = run_dir
         self.exchange = make_exchange(config, self.ranks)

@@ -3,7 +3,7 @@
     moescale train                                   # the tiny MoE GPT on the built-in corpus
     moescale train --config run.toml --model.num_experts 32 --train.steps 2000
     moescale train --resume runs/20260101-120000     # continue exactly where it stopped
-    moescale train --offload.mode host --offload.device_budget_experts 2   # experts in RAM
+    moescale train --offload.tier host --offload.device_budget_experts 2   # experts in RAM
     torchrun --nproc-per-node 2 -m moescale train --parallel.ep_size 2      # experts split
     torchrun --nproc-per-node 2 -m moescale train --parallel.placement dynamic   # LPT per step
 
@@ -43,13 +43,13 @@ metrics.jsonl, checkpoints/, summary.json and report.png.
                        never stopped); Ctrl-C saves a checkpoint and exits with code 130
   -h, --help           this text
 
-Offloading: --offload.mode host|pin|disk|auto keeps expert state in RAM or on disk and streams
-experts through a device budget (--offload.device_budget BYTES or _experts N; auto: the
-planner picks the mode for the budget). Expert parallelism: launch with
+Offloading: --offload.tier host|pin|disk|auto keeps expert state in RAM or on disk and streams
+experts through a device budget (--offload.device_budget_bytes 64MiB or
+--offload.device_budget_experts N; auto: the planner picks the mode for the budget). Expert parallelism: launch with
 `torchrun --nproc-per-node N -m moescale train --parallel.ep_size N ...` (gloo on CPU, NCCL
 on GPU); rank 0 prints and writes, checkpoints resume at any rank count. Both: add
---offload.mode host|pin|disk and each rank streams its own experts from its own store (disk:
-<offload.disk_dir or run_dir/expert-store>/rank<r>) through its device budget. Dynamic placement:
+--offload.tier host|pin|disk and each rank streams its own experts from its own store (disk:
+<offload.directory or run_dir/expert-store>/rank<r>) through its device budget. Dynamic placement:
 `torchrun --nproc-per-node N -m moescale train --parallel.placement dynamic ...` (CPU ranks of
 one machine share one host copy of the experts in /dev/shm, placed by LPT every iteration;
 --parallel.split false: no hot-expert splitting; several machines (torchrun --nnodes): a copy

@@ -1,17 +1,21 @@
 """The training configuration: a tree of plain dataclasses, loaded from TOML plus dotted overrides.
 
-`RunConfig` holds one section per concern (model, data, optim, train, offload, parallel). Every
-field is plain data with a default and is validated in `__post_init__`; a bad value raises
-`ValueError` naming the option (`model.top_k`), the value and the fix. `load_config(file,
-overrides)` reads `--config FILE.toml`, applies `--section.field value` overrides converting the
-text by the field's annotated type (options.py), and re-validates. `help_text()` lists every option with its
-type and default; `to_toml()` writes the resolved tree (None values are omitted: TOML has no null).
+`RunConfig` holds one section per concern. `model`, `data`, `optim` and `train` are the run's
+own; `offload` and `parallel` ARE the library's configs (moescale.offload.OffloadConfig,
+moescale.parallel.ParallelConfig), nested as they are, with the run's defaults (`RUN_DEFAULTS`:
+experts resident, one rank per expert group, deferred expert steps): the command line's
+`--offload.tier disk` is `OffloadConfig.tier`, the library validates it, and the trainer hands
+the section to `offload_moe` after filling in what the run derives (`DERIVED`: the device, the
+precision, the optimizer, the planner's batch). A component that cannot serve a combination
+refuses it itself (train/exchange.py `check_exchange`, train/residency.py `check_residency`).
 
-Offloading (`[offload]`: mode, budgets, step mode, activation policy), expert parallelism
-(`[parallel]`: ep_size, chunks, reuse) and dynamic placement (`parallel.placement`, `split`) are
-wired into the trainer (moescale/train/assembly.py); options that a part cannot serve together
-are refused by that part (exchange.py `check_exchange`, residency.py `check_residency`), not
-here.
+`load_config(file, overrides)` reads `--config FILE.toml`, applies `--section.field value`
+overrides converting the text by the field's annotated type (options.py: sizes such as '64MiB'
+are parsed here, once), and builds every section (each validates itself; an error names the
+option). Earlier option names still load (`ALIASES`: `offload.mode` is `offload.tier`, ...).
+`help_text()` lists every option with its type, default, choices and its documentation (the
+comment after the field, field_docs.py); `to_toml()` writes the resolved tree (None values are
+omitted: TOML has no null).
 
 This file builds no model and touches no tensors.
 """
@@ -27,18 +31,17 @@ from pathlib import Path
 
 import tomli_w
 
-from moescale.train.options import Size, convert, parse_size, type_name
+from moescale.offload.config import OFFLOAD_TIERS, PLANNER_RATES, OffloadConfig
+from moescale.offload.experts import POLICIES
+from moescale.offload.optimizer import STEP_MODES
+from moescale.parallel.groups import BACKENDS, PLACEMENTS, REUSE_CHOICES, ParallelConfig
+from moescale.routing.config import ROUTER_KINDS
+from moescale.train.field_docs import field_docs
+from moescale.train.options import convert, type_name
 
 MODEL_SIZES = ("tiny", "small", "moe-s", "moe-m", "moe-l")
-ROUTERS = ("topk", "noisy_topk", "switch", "gshard")
 PRECISIONS = ("fp32", "bf16")
 SCHEDULES = ("cosine", "linear", "constant")
-OFFLOAD_MODES = ("device-only", "auto", "pin", "host", "disk")
-STEP_MODES = ("deferred", "eager")
-ACTIVATION_POLICIES = ("keep", "recompute", "offload")
-RATES = ("measure", "a100")
-REUSE_STRATEGIES = ("none", "S1", "S2", "S3", "S4", "auto")
-PLACEMENTS = ("static", "dynamic")
 TOKEN_DTYPES = ("uint8", "uint16", "int32")
 
 # The default run (`moescale train` with no options): the tiny model at batch 16 x 128 tokens.
@@ -51,14 +54,6 @@ DEFAULT_STEPS = 500
 def _need(cond: bool, option: str, value, fix: str) -> None:
     if not cond:
         raise ValueError(f"{option}={value!r} is invalid: {fix}")
-
-
-def parse_bytes(value, option: str) -> int | None:
-    """A size option's bytes: None and '' -> None; an int -> itself; text such as '512MiB',
-    '2GB', '1e9' -> bytes (options.parse_size). Raises ValueError naming `option`."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    return parse_size(value, option)
 
 
 @dataclass(kw_only=True)
@@ -90,8 +85,8 @@ class ModelSection:
         if self.num_experts is not None and self.top_k is not None:
             _need(self.top_k <= self.num_experts, "model.top_k", self.top_k,
                   f"top_k must be <= model.num_experts={self.num_experts}")
-        _need(self.router is None or self.router in ROUTERS, "model.router", self.router,
-              f"choose one of {', '.join(ROUTERS)}")
+        _need(self.router is None or self.router in ROUTER_KINDS, "model.router", self.router,
+              f"choose one of {', '.join(ROUTER_KINDS)}")
         _need(self.moe_every is None or self.moe_every >= 0, "model.moe_every", self.moe_every,
               "must be >= 0 (0 builds a dense model)")
         _need(self.capacity_factor is None or self.capacity_factor > 0, "model.capacity_factor",
@@ -101,6 +96,11 @@ class ModelSection:
             _need(value is None or value >= 0, f"model.{name}", value, "must be >= 0")
         _need(self.dropout is None or 0 <= self.dropout < 1, "model.dropout", self.dropout,
               "must lie in [0, 1)")
+
+    @classmethod
+    def shape_fields(cls) -> tuple[str, ...]:
+        """The model options (every field but size): GPTConfig fields of the same names."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "size")
 
     def overrides(self) -> dict:
         """The fields set explicitly (not None), size excluded: passed to gpt_config."""
@@ -193,78 +193,32 @@ class TrainSection:
               self.device, "use auto, cpu, cuda or cuda:N")
 
 
-@dataclass(kw_only=True)
-class OffloadSection:
-    """Expert offloading (ES-MoE): where expert state lives and how much the device holds."""
+# The run's defaults of the library's sections: experts stay resident, no expert parallelism,
+# experts step after global-norm clipping (the library's own defaults suit a direct call of
+# offload_moe / init_distributed).
+RUN_DEFAULTS = {"offload": {"tier": "device-only", "step_mode": "deferred"},
+                "parallel": {"ep_size": 1}}
 
-    mode: str = "device-only"   # device-only | auto (the planner picks) | pin | host | disk
-    device_budget: Size | None = None   # device bytes, e.g. 64MiB (device-only: a check; auto:
-                                        # needed)
-    device_budget_experts: float | None = None   # or the budget in experts (host/pin/disk: 3)
-    host_budget: Size | None = None     # host bytes the planner may use (auto; unset: the
-                                        # available RAM)
-    host_cache: Size | None = None      # disk tier: bytes of expert records cached in RAM (unset:
-                                        # 1/8 of the expert state, at least 2 experts; auto: half
-                                        # host_budget)
-    disk_dir: str = ""          # disk tier: expert files ('' -> <run_dir>/expert-store)
-    step_mode: str = "deferred"  # deferred (global-norm clipping) | eager (needs grad_clip 0)
-    activation_policy: str = "keep"   # expert hidden: keep | recompute | offload (to host)
-    lookahead: int = 1          # experts uploaded ahead of the one computing
-    rates: str = "measure"      # auto: planner rates measured here, or ES-MoE's 'a100' node
+# Fields of the library's sections that the run sets from its other sections (the trainer's
+# residency, train/residency.py): not options of their own.
+DERIVED = {"offload.device": "train.device", "offload.compute_dtype": "train.precision",
+           "offload.optimizer": "the [optim] section",
+           "offload.tokens_per_micro_batch": "train.batch_size x train.seq_len",
+           "offload.shared_memory": "parallel.placement (dynamic keeps the store in /dev/shm)"}
 
-    def __post_init__(self) -> None:
-        _need(self.mode in OFFLOAD_MODES, "offload.mode", self.mode,
-              f"choose one of {', '.join(OFFLOAD_MODES)}")
-        for name in ("device_budget", "host_budget", "host_cache"):   # bytes from here on
-            setattr(self, name, parse_bytes(getattr(self, name), f"offload.{name}"))
-        _need(self.device_budget_experts is None or self.device_budget_experts > 0,
-              "offload.device_budget_experts", self.device_budget_experts,
-              "must be > 0 (at least 2: backward holds an expert and its gradient)")
-        _need(not (self.device_budget and self.device_budget_experts is not None),
-              "offload.device_budget_experts", self.device_budget_experts,
-              f"give offload.device_budget={self.device_budget!r} or a budget in experts, "
-              "not both")
-        _need(self.step_mode in STEP_MODES, "offload.step_mode", self.step_mode,
-              f"choose one of {', '.join(STEP_MODES)}")
-        _need(self.activation_policy in ACTIVATION_POLICIES, "offload.activation_policy",
-              self.activation_policy, f"choose one of {', '.join(ACTIVATION_POLICIES)}")
-        _need(self.lookahead >= 0, "offload.lookahead", self.lookahead, "must be >= 0")
-        _need(self.rates in RATES, "offload.rates", self.rates,
-              f"choose one of {', '.join(RATES)}")
+# Option names of earlier versions (config.toml files of older runs, scripts) -> today's.
+ALIASES = {"offload.mode": "offload.tier", "offload.device_budget": "offload.device_budget_bytes",
+           "offload.host_budget": "offload.host_budget_bytes",
+           "offload.host_cache": "offload.host_cache_bytes", "offload.disk_dir": "offload.directory",
+           "parallel.memory_limit": "parallel.memory_limit_bytes"}
 
 
-@dataclass(kw_only=True)
-class ParallelSection:
-    """Expert parallelism and pipelining (FastMoE, MPipeMoE); launch with torchrun."""
+def _run_offload() -> OffloadConfig:
+    return OffloadConfig(**RUN_DEFAULTS["offload"])
 
-    ep_size: int = 1            # ranks the experts of each layer are split over
-    chunks: str = "1"           # pipelined all-to-all chunks: a count, or auto (online tuner)
-    reuse: str = "none"         # pipelined memory reuse: none | S1..S4 | auto (cost model)
-    memory_limit: Size | None = None   # pipelined, per rank: peak bytes one MoE layer step
-                                       # may reach (chunks / reuse auto choose within it;
-                                       # unset: the unpipelined dispatcher's peak)
-    placement: str = "static"   # static (expert e on rank e // (E / ep_size)) | dynamic (all
-                                # local ranks share one host copy; LPT placement per iteration)
-    split: bool = True          # dynamic: shard the rows of experts heavier than a device's share
-    node_size: int = 0          # dynamic: ranks per node (each node its own store, experts
-                                # replicated across nodes); 0 = the ranks of a machine
-    timeout_s: float = 300.0    # a collective waiting longer fails instead of hanging
 
-    def __post_init__(self) -> None:
-        _need(self.ep_size >= 1, "parallel.ep_size", self.ep_size, "must be >= 1")
-        _need(self.chunks == "auto" or (self.chunks.isdigit() and int(self.chunks) >= 1),
-              "parallel.chunks", self.chunks, "must be a positive integer or auto")
-        _need(self.reuse in REUSE_STRATEGIES, "parallel.reuse", self.reuse,
-              f"choose one of {', '.join(REUSE_STRATEGIES)}")
-        _need(self.placement in PLACEMENTS, "parallel.placement", self.placement,
-              f"choose one of {', '.join(PLACEMENTS)}")
-        _need(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0 seconds")
-        self.memory_limit = parse_bytes(self.memory_limit, "parallel.memory_limit")
-        _need(self.node_size >= 0, "parallel.node_size", self.node_size,
-              "must be >= 0 (0: the ranks of each machine; N: nodes of N consecutive ranks)")
-
-    def chunk_count(self) -> int | str:
-        return "auto" if self.chunks == "auto" else int(self.chunks)
+def _run_parallel() -> ParallelConfig:
+    return ParallelConfig(**RUN_DEFAULTS["parallel"])
 
 
 @dataclass(kw_only=True)
@@ -275,15 +229,15 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
-    offload: OffloadSection = field(default_factory=OffloadSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    offload: OffloadConfig = field(default_factory=_run_offload)
+    parallel: ParallelConfig = field(default_factory=_run_parallel)
 
 
-CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTERS, "optim.schedule": SCHEDULES,
-           "train.precision": PRECISIONS, "offload.mode": OFFLOAD_MODES,
-           "offload.step_mode": STEP_MODES, "offload.activation_policy": ACTIVATION_POLICIES,
-           "offload.rates": RATES,
-           "parallel.reuse": REUSE_STRATEGIES, "parallel.placement": PLACEMENTS,
+CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTER_KINDS, "optim.schedule": SCHEDULES,
+           "train.precision": PRECISIONS, "offload.tier": OFFLOAD_TIERS,
+           "offload.step_mode": STEP_MODES, "offload.activation_policy": POLICIES,
+           "offload.rates": PLANNER_RATES, "parallel.reuse": REUSE_CHOICES,
+           "parallel.placement": PLACEMENTS, "parallel.backend": BACKENDS,
            "data.token_dtype": TOKEN_DTYPES}
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
@@ -294,14 +248,22 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
-def _field_hints(section_cls) -> dict[str, object]:
-    return typing.get_type_hints(section_cls)
+def _options(section_cls, section: str) -> dict[str, object]:
+    """{field: annotation} of a section's options (derived fields left out)."""
+    return {name: hint for name, hint in typing.get_type_hints(section_cls).items()
+            if f"{section}.{name}" not in DERIVED}
 
 
 def _build(values: dict[str, dict[str, object]]) -> RunConfig:
     sections = {}
     for name, cls in _section_types().items():
-        sections[name] = cls(**values.get(name, {}))
+        given = {**RUN_DEFAULTS.get(name, {}), **values.get(name, {})}
+        try:
+            sections[name] = cls(**given)
+        except ValueError as err:       # the library's own message, named by the section
+            text = str(err)
+            raise ValueError(text if text.startswith(f"{name}.") else
+                             f"{name}.{text}") from None
     return RunConfig(**sections)
 
 
@@ -312,12 +274,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
     types_ = _section_types()
 
     def put(option: str, raw) -> None:
+        option = ALIASES.get(option, option)
         section, _, name = option.partition(".")
         if section not in types_ or not name:
             raise ValueError(f"unknown option {option!r}; options look like "
                              f"--section.name with section one of {', '.join(types_)} "
                              "(see --help)")
-        hints = _field_hints(types_[section])
+        if option in DERIVED:
+            raise ValueError(f"{option} is not an option: the run sets it from "
+                             f"{DERIVED[option]}")
+        hints = _options(types_[section], section)
         if name not in hints:
             raise ValueError(f"unknown option {option!r}; {section} has "
                              f"{', '.join(sorted(hints))} (see --help)")
@@ -356,7 +322,8 @@ def to_dict(config: RunConfig) -> dict:
     for name in SECTIONS:
         section = getattr(config, name)
         out[name] = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-                     if getattr(section, f.name) is not None}
+                     if getattr(section, f.name) is not None
+                     and f"{name}.{f.name}" not in DERIVED}
     return out
 
 
@@ -365,21 +332,25 @@ def to_toml(config: RunConfig) -> str:
 
 
 def help_text(size_defaults: dict | None = None) -> str:
-    """Every option with its type and default, section by section. `size_defaults` (the
-    default size's GPTConfig fields) fills in the model options left to the size."""
+    """Every option with its type, default, choices and documentation, section by section.
+    `size_defaults` (the default size's GPTConfig fields) fills in the model options left to
+    the size."""
     lines = []
     size_defaults = size_defaults or {}
+    defaults = RunConfig()
     for section, cls in _section_types().items():
         lines.append(f"  [{section}]  {(cls.__doc__ or '').strip().splitlines()[0]}")
-        hints = _field_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        docs = field_docs(cls)
+        for name, hint in _options(cls, section).items():
+            default = getattr(getattr(defaults, section), name)
             shown = repr(default)
             if default is None and section == "model":
-                shown = f"the size's ({ModelSection().size}: {size_defaults[f.name]!r})" \
-                    if f.name in size_defaults else "the size's"
-            option = f"--{section}.{f.name}"
+                shown = f"the size's ({ModelSection().size}: {size_defaults[name]!r})" \
+                    if name in size_defaults else "the size's"
+            option = f"--{section}.{name}"
             choices = CHOICES.get(option[2:])
-            lines.append(f"    {option:<30} {type_name(hints[f.name]):<12} default {shown}"
+            lines.append(f"    {option:<34} {type_name(hint):<12} default {shown}"
                          + (f"  [{' | '.join(choices)}]" if choices else ""))
+            if docs.get(name):
+                lines.append(f"        {docs[name]}")
     return "\n".join(lines)

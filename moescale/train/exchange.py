@@ -60,7 +60,7 @@ def _pipelined_options(config: RunConfig) -> list[tuple[str, str, str]]:
     """(option, value, plain value) of each pipelined all-to-all option that is set."""
     pc = config.parallel
     return [(option, value, plain) for option, value, plain in
-            (("parallel.chunks", pc.chunks, "1"), ("parallel.reuse", pc.reuse, "none"))
+            (("parallel.chunks", pc.chunks, 1), ("parallel.reuse", pc.reuse, "none"))
             if value != plain]
 
 
@@ -157,8 +157,8 @@ class StaticExchange:
                              "train ...` (or moescale.train.launch.train_distributed)")
         check_rows(config.train.batch_size, world)
         self.pconfig = ParallelConfig(
-            ep_size=pc.ep_size, timeout_s=pc.timeout_s, chunks=pc.chunk_count(), reuse=pc.reuse,
-            memory_limit_bytes=pc.memory_limit)
+            ep_size=pc.ep_size, timeout_s=pc.timeout_s, chunks=pc.chunks, reuse=pc.reuse,
+            memory_limit_bytes=pc.memory_limit_bytes)
         self.groups = init_distributed(self.pconfig)
 
     def prepare(self, model) -> None:

@@ -32,8 +32,10 @@ def train_distributed(config: RunConfig, run_dir: str | Path, world_size: int, *
     """Train `config` on `world_size` local processes (gloo on CPU, NCCL on GPU); returns
     (exit code, rank 0's summary). resume=True: `--resume run_dir`, with `config` as the full
     config."""
-    backend = "nccl" if torch.cuda.is_available() and config.parallel.placement == "static" \
-        else "gloo"      # dynamic placement computes on the host copy
+    backend = config.parallel.backend
+    if backend == "auto":       # dynamic placement computes on the host copy
+        backend = "nccl" if torch.cuda.is_available() and config.parallel.placement == "static" \
+            else "gloo"
     results = run_local(_rank_main, world_size, (to_dict(config), str(run_dir), quiet, resume),
                         backend=backend, timeout_s=config.parallel.timeout_s,
                         deadline_s=deadline_s)

@@ -64,7 +64,7 @@ def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
     with torch.device("meta"):
         count = GPT(cfg).num_parameters()
     expert = count.expert // max(1, config.parallel.ep_size)
-    if config.offload.mode == "disk":
+    if config.offload.tier == "disk":
         expert = 0                    # on disk, behind a bounded host cache
     state = STATE_BYTES * (count.total - count.expert + expert)
     B, S = config.train.batch_size, config.train.seq_len
@@ -94,7 +94,7 @@ def check_memory(config: RunConfig, vocab_size: int, device: torch.device) -> No
         f"{fmt_bytes(state)} of weights, gradients and AdamW state; {fmt_bytes(acts)} of "
         f"activations) but {where} {fmt_bytes(have)} available; shrink the model or the "
         "batch (train.grad_accum keeps the batch with smaller micro-batches), or keep the "
-        "experts on disk (offload.mode disk)")
+        "experts on disk (offload.tier disk)")
 
 
 def check_run_dir(run_dir: str | Path, option: str = "train.run_dir") -> None:
@@ -123,12 +123,12 @@ BYTES_PER_PARAM_DEVICE_ONLY = 16   # fp32 weight + gradient + AdamW exp_avg + ex
 
 def check_budget(config: RunConfig, num_params: int) -> None:
     """A device budget smaller than what device-only training holds is a user error."""
-    if config.offload.mode != "device-only":
+    if config.offload.tier != "device-only":
         return    # the offload engine checks its budget against one expert
-    budget = config.offload.device_budget
+    budget = config.offload.device_budget_bytes
     need = num_params * BYTES_PER_PARAM_DEVICE_ONLY
     if budget is not None and budget < need:
         raise ValueError(
-            f"offload.device_budget={budget:,} bytes is too "
+            f"offload.device_budget_bytes={budget:,} bytes is too "
             f"small: device-only training of {num_params:,} parameters holds {need:,} bytes of "
             "weights, gradients and AdamW state; raise the budget or use a smaller model")

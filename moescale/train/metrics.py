@@ -9,7 +9,7 @@ step's MoE calls: device_load_max, device_load_mean, device_load_max_over_mean (
 parallelism: static placement; dynamic placement: its placement, plus device_load_worst_layer,
 split_experts and static placement's static_load_max/mean/max_over_mean for comparison); with
 the pipelined all-to-all `pipeline`, {layer: [chunks, strategy]} of each layer's last call
-(the tuner's and the cost model's picks under `parallel.memory_limit`). A val
+(the tuner's and the cost model's picks under `parallel.memory_limit_bytes`). A val
 record holds val_loss. Lines are flushed as they are written, so a killed
 run keeps everything logged so far; `truncate_after(step)` drops what a resumed run will redo.
 

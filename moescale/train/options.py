@@ -13,44 +13,23 @@ from __future__ import annotations
 
 import decimal
 import math
-import re
 import types
 import typing
 
-Size = typing.NewType("Size", int)    # bytes; given as '512MiB', '2GB', '1e9' or an integer
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from moescale.sizes import Size, parse_size
 
-
-def parse_size(text, option: str) -> int:
-    """'512MiB', '2GB', '1e9', '4096' or a positive integer -> bytes; ValueError naming
-    `option` and the value otherwise."""
-    if isinstance(text, bool):
-        raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or '2GB'")
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        match = re.fullmatch(r"([0-9.eE+]+)\s*([a-zA-Z]*)", str(text).strip())
-        if match is None or match.group(2).lower() not in SIZE_UNITS:
-            raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB', '2GB' or a "
-                             "number of bytes")
-        try:
-            value = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
-        except ValueError:
-            raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or "
-                             "'2GB'") from None
-    if not (value >= 1 and math.isfinite(value)):
-        raise ValueError(f"{option}={text!r} is invalid: a size must be at least one byte")
-    return int(value)
+__all__ = ["Size", "parse_size", "convert", "type_name"]
 
 
 def unwrap_optional(hint):
-    """(base type, optional?) of an annotation like `int | None`."""
+    """(base type, optional?) of an annotation like `int | None`; `int | str` (a count or a
+    word such as 'auto') stays a union."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        assert len(args) == 1, hint
-        return args[0], True
+        optional = len(args) < len(typing.get_args(hint))
+        assert len(args) == 1 or set(args) == {int, str}, hint
+        return (args[0] if len(args) == 1 else int | str), optional
     return hint, False
 
 
@@ -59,7 +38,11 @@ def convert(text, hint, option: str):
     base, optional = unwrap_optional(hint)
     if not isinstance(text, (str, int, float)):     # a TOML array, table or date
         raise ValueError(f"{option}={text} is a TOML {type(text).__name__}; give one "
-                         f"{base.__name__} value")
+                         f"{type_name(base)} value")
+    if base == int | str:       # a count, or a word the field's own check knows ('auto')
+        if isinstance(text, str) and not text.strip().lstrip("+-").isdigit():
+            return text.strip()
+        return convert(text, int, option)
     if isinstance(text, str) and optional and text.strip().lower() in ("none", "null", ""):
         return None
     if base is Size:
@@ -120,5 +103,6 @@ def _parse_int(text: str) -> int:
 def type_name(hint) -> str:
     """How --help shows an annotation: `int`, `float | none`."""
     base, optional = unwrap_optional(hint)
-    name = "size (e.g. 512MiB)" if base is Size else base.__name__
+    name = "size (e.g. 512MiB)" if base is Size else \
+        "int | str" if base == int | str else base.__name__
     return name + (" | none" if optional else "")

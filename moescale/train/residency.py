@@ -2,7 +2,7 @@
 
 The second library call that prepares the model (moescale/train/assembly.py), after the
 exchange: `Resident` leaves the experts as parameters (the dense optimizer steps them; its
-step handle only clips); `Offloaded` (`offload.mode` host | pin | disk | auto) moves each
+step handle only clips); `Offloaded` (`offload.tier` host | pin | disk | auto) moves each
 rank's experts (all of them, or its expert-parallel shard) into that rank's own ExpertStore
 with `offload_moe`, *before* the dense optimizer is built, so AdamW only sees dense
 parameters. Its step handle (`OffloadStep`) follows the dense optimizer's learning rate, is
@@ -12,13 +12,15 @@ the host. The disk tier builds the experts on the meta device (`expert_device`),
 straight to their files, and refuses at start when the disk cannot hold them and the
 checkpoints that stop sharing them.
 
-Each rank's store (disk tier) lives under `<offload.disk_dir or run_dir/expert-store>`, in
+Each rank's store (disk tier) lives under `<offload.directory or run_dir/expert-store>`, in
 `rank<r>/` on a multi-process run. Under dynamic placement the residency is the node's shared
 store streamed through each rank's device (`DynamicOffload`, shared_store/residency.py).
 Checkpoints (each rank's experts in its own shard) are run_state.py's.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import os
 import shutil
@@ -28,7 +30,7 @@ import torch
 
 from moescale.expert_step import ResidentStep
 from moescale.layers.moe import MoE
-from moescale.offload import OffloadConfig, offload_moe
+from moescale.offload import offload_moe
 from moescale.offload.direct_io import align_up
 from moescale.offload.planner import fmt_bytes
 from moescale.offload.stepping import OffloadStep, dir_bytes
@@ -75,10 +77,10 @@ class Offloaded:
     def __init__(self, config: RunConfig, run_dir: Path, ranks) -> None:
         oc = config.offload
         self.config, self.run_dir, self.ranks = config, run_dir, ranks
-        self.disk_dir = Path(oc.disk_dir) if oc.disk_dir else run_dir / "expert-store"
+        self.disk_dir = Path(oc.directory) if oc.directory else run_dir / "expert-store"
         if ranks.world_size > 1:
             self.disk_dir = self.disk_dir / f"rank{ranks.rank}"
-            if oc.mode == "disk":
+            if oc.tier == "disk":
                 self.disk_dir.mkdir(parents=True, exist_ok=True)
         self.engine = None
         self.pick = None
@@ -89,37 +91,30 @@ class Offloaded:
         straight to their files (initialised one at a time), never to RAM. (An expert-parallel
         rank builds the layer, keeps its shard and offloads it.)"""
         local = self.ranks.world_size == 1
-        return "meta" if self.config.offload.mode == "disk" and local else None
+        return "meta" if self.config.offload.tier == "disk" and local else None
 
     def _offload_config(self, model):
+        """The run's [offload] section (the library's OffloadConfig) with what the run derives:
+        device, precision, the directory, a default budget and host cache, the planner's batch."""
         oc, tc = self.config.offload, self.config.train
-        tier = {"pin": "host", "host": "host", "disk": "disk", "auto": "auto"}[oc.mode]
-        device_bytes = oc.device_budget
-        experts = oc.device_budget_experts
-        if device_bytes is None and experts is None and tier != "auto":
-            experts = 3.0    # double-buffered uploads in forward and in backward
-        kw = dict(tier=tier, compute_dtype=PRECISION_DTYPES[tc.precision],
-                  activation_policy=oc.activation_policy, step_mode=oc.step_mode,
-                  lookahead=oc.lookahead, device_budget_bytes=device_bytes,
-                  device_budget_experts=experts,
-                  pin_fraction=0.25 if oc.mode == "pin" else 0.0)
-        host_cache = oc.host_cache
-        if tier in ("disk", "auto"):
-            if not oc.disk_dir:
+        device = "auto" if tc.device == "auto" else tc.device.partition(":")[0]
+        changes = dict(device=device, compute_dtype=PRECISION_DTYPES[tc.precision])
+        if oc.tier != "auto" and oc.device_budget_bytes is None \
+                and oc.device_budget_experts is None:
+            changes["device_budget_experts"] = 3.0   # double-buffered uploads, fwd and bwd
+        if oc.tier in ("disk", "auto"):
+            if not oc.directory:
                 self.disk_dir.mkdir(parents=True, exist_ok=True)
-            kw["directory"] = str(self.disk_dir)
-        if tier == "disk" and host_cache is None:
+            changes["directory"] = str(self.disk_dir)
+        if oc.tier == "disk" and oc.host_cache_bytes is None:
             record = max(16 * sum(p.numel() for p in m.experts.parameters()) //
                          _local_experts(m) for m in _moes(model))
             total = sum(16 * sum(p.numel() for p in m.experts.parameters())
                         for m in _moes(model))
-            host_cache = default_host_cache(record, total)
-        kw["host_cache_bytes"] = host_cache
-        if tier == "auto":
-            kw.update(tokens_per_micro_batch=tc.batch_size * tc.seq_len,
-                      host_budget_bytes=oc.host_budget,
-                      rates=oc.rates)
-        return OffloadConfig(**kw)
+            changes["host_cache_bytes"] = default_host_cache(record, total)
+        if oc.tier == "auto":
+            changes["tokens_per_micro_batch"] = tc.batch_size * tc.seq_len
+        return dataclasses.replace(oc, **changes)
 
     def prepare(self, model, exchange):
         """Offload the (exchanged) model's experts; returns the step handle."""
@@ -131,7 +126,7 @@ class Offloaded:
             self.engine = offload_moe(model, cfg,
                                       expert_init=model.expert_init if meta else None)
         except ValueError as err:
-            raise ValueError(f"offload.mode={self.config.offload.mode!r}: {err}") from None
+            raise ValueError(f"offload.tier={self.config.offload.tier!r}: {err}") from None
         if self.engine.plan is not None:    # the planner's pick for tier="auto"
             self.estimates, self.pick = self.engine.plan
         reduce = None
@@ -167,7 +162,7 @@ class Offloaded:
             free = shutil.disk_usage(where).free + reusable
             if free < need:
                 raise ValueError(
-                    f"offload.mode='disk' needs {need / 2**30:.1f} GiB under {str(where)!r} "
+                    f"offload.tier='disk' needs {need / 2**30:.1f} GiB under {str(where)!r} "
                     f"(expert state {state / 2**30:.1f} GiB"
                     f"{f' x (1 + train.keep_last={copies})' if copies and same_fs else ''}) but "
                     f"{free / 2**30:.1f} GiB are free; set train.checkpoint_interval 0 (one "
@@ -180,14 +175,14 @@ class Offloaded:
         itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
         expert = max(lay.numel for lay in store.layouts) * itemsize
         where = {"host": "host RAM", "disk": f"disk ({cfg.directory}, host cache "
-                 f"{fmt_bytes(store.config.host_cache_bytes or 0)})"}[cfg.tier]
+                 f"{fmt_bytes(store.config.host_cache_bytes or 0)})"}[cfg.store_tier]
         shown = "unbounded" if budget is None else \
             f"{fmt_bytes(budget)} = {budget / expert:.1f} experts"
         text = (f"experts in {where}, device budget {shown}"
                 f", {cfg.step_mode} steps, activations {cfg.activation_policy}"
-                + (f", hottest {cfg.pin_fraction:.0%} pinned" if cfg.pin_fraction else ""))
+                + (f", hottest {cfg.pinned_share:.0%} pinned" if cfg.pinned_share else ""))
         if self.pick is None:
-            return self.config.offload.mode, text
+            return self.config.offload.tier, text
         predicted = "; ".join(f"{e.mode} {e.step_s:.3g} s{'' if e.fits else ' (no fit)'}"
                               for e in self.estimates)
         return f"auto:{self.pick}", (f"auto -> planner picked '{self.pick}' (predicted step: "
@@ -203,31 +198,31 @@ def check_residency(config: RunConfig) -> None:
     """The residency's own refusals of options it cannot serve (before any process or thread
     starts)."""
     oc, pc = config.offload, config.parallel
-    if oc.mode == "device-only":
+    if oc.tier == "device-only":
         return
     if oc.step_mode == "eager" and config.optim.grad_clip > 0:
         raise ValueError(f"offload.step_mode='eager' steps experts during backward, before the "
                          f"global gradient norm is known, so optim.grad_clip="
                          f"{config.optim.grad_clip} cannot apply; use offload.step_mode "
                          "deferred or optim.grad_clip 0")
-    if oc.mode == "auto" and oc.device_budget is None:
-        raise ValueError("offload.mode='auto' needs offload.device_budget (e.g. '256MiB'): "
+    if oc.tier == "auto" and oc.device_budget_bytes is None:
+        raise ValueError("offload.tier='auto' needs offload.device_budget_bytes (e.g. '256MiB'): "
                          "the planner picks the fastest mode that fits it")
-    if oc.mode == "auto" and pc.ep_size > 1:
-        raise ValueError(f"offload.mode='auto' with parallel.ep_size={pc.ep_size} is not "
+    if oc.tier == "auto" and pc.ep_size > 1:
+        raise ValueError(f"offload.tier='auto' with parallel.ep_size={pc.ep_size} is not "
                          "supported: the planner plans one process's experts; choose "
-                         "offload.mode host, pin or disk and a device budget per rank "
+                         "offload.tier host, pin or disk and a device budget per rank "
                          "(offload.device_budget_experts)")
     if pc.reuse in ("S1", "S3"):
-        raise ValueError(f"offload.mode={oc.mode!r} with parallel.reuse={pc.reuse!r} is not "
+        raise ValueError(f"offload.tier={oc.tier!r} with parallel.reuse={pc.reuse!r} is not "
                          "supported: S1 and S3 offload the hidden activation of resident "
                          "grouped weights; offloaded experts are pipelined with reuse none, S2, "
                          "S4 or auto")
-    if pc.placement == "dynamic" and oc.mode not in ("host", "disk"):
-        raise ValueError(f"parallel.placement='dynamic' with offload.mode={oc.mode!r} is not "
+    if pc.placement == "dynamic" and oc.tier not in ("host", "disk"):
+        raise ValueError(f"parallel.placement='dynamic' with offload.tier={oc.tier!r} is not "
                          "supported: the node's shared store streams experts through each "
                          "rank's device from host memory or disk, without pinning or a planner; "
-                         "use offload.mode host or disk, or offload.mode device-only")
+                         "use offload.tier host or disk, or offload.tier device-only")
     if pc.placement == "dynamic" and oc.activation_policy == "offload":
         raise ValueError("parallel.placement='dynamic' with offload.activation_policy="
                          "'offload' is not supported: the streamed shared-store experts keep "
@@ -243,20 +238,20 @@ def make_residency(config: RunConfig, run_dir: Path, ranks, exchange):
     """The residency `config.offload` asks for; under dynamic placement the node's shared store
     streamed through each rank's device (moescale.shared_store.residency)."""
     check_residency(config)
-    if config.offload.mode == "device-only":
+    if config.offload.tier == "device-only":
         return Resident()
     if exchange.kind == "dynamic":      # the node's shared store, streamed per rank
         from moescale.shared_store.residency import DynamicOffload
 
         oc = config.offload
-        root = Path(oc.disk_dir) if oc.disk_dir else run_dir / "expert-store"
-        return DynamicOffload(tier=oc.mode, directory=str(root), mode=oc.mode,
-                              device_budget_bytes=oc.device_budget,
+        root = Path(oc.directory) if oc.directory else run_dir / "expert-store"
+        return DynamicOffload(tier=oc.tier, directory=str(root), mode=oc.tier,
+                              device_budget_bytes=oc.device_budget_bytes,
                               device_budget_experts=oc.device_budget_experts,
-                              host_cache_bytes=oc.host_cache,
+                              host_cache_bytes=oc.host_cache_bytes,
                               activation_policy=oc.activation_policy, lookahead=oc.lookahead)
     if ranks.world_size > 1 and exchange.groups.world_size != exchange.groups.ep_size:
-        raise ValueError(f"offload.mode={config.offload.mode!r} with {ranks.world_size} "
+        raise ValueError(f"offload.tier={config.offload.tier!r} with {ranks.world_size} "
                          f"processes and parallel.ep_size={exchange.groups.ep_size}: offloaded "
                          "expert shards are not replicated over data-parallel ranks; "
                          f"set parallel.ep_size {ranks.world_size} (one shard per rank)")

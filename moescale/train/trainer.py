@@ -47,6 +47,7 @@ import threading
 import time
 from pathlib import Path
 
+import tomli_w
 import torch
 
 from moescale.atomic import atomic_write_text
@@ -58,7 +59,7 @@ from moescale.train.assembly import assemble, check_parts
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
                                        nonfinite, save_checkpoint, sweep_temp_files,
                                        verified_checkpoints)
-from moescale.train.config import RunConfig, to_dict, to_toml
+from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
 from moescale.train.limits import check_budget, check_memory, check_run_dir, check_threads
@@ -185,15 +186,16 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------
     def _write_config(self) -> None:
-        resolved = self.config
+        """config.toml: the run's options with the model's resolved shape (each model option
+        the size left unset, as the built model has it) and the run directory; the run's own
+        config object is left as given."""
+        tree = to_dict(self.config)
         mc = self.model.config
-        for name in ("n_layers", "d_model", "n_heads", "d_ff", "num_experts", "top_k", "router",
-                     "moe_every", "glu", "activation", "aux_loss_coef", "z_loss_coef",
-                     "dropout", "capacity_factor"):
-            setattr(resolved.model, name, getattr(mc, name))
-        resolved.train.run_dir = str(self.run_dir)
+        tree["model"].update({name: getattr(mc, name) for name in ModelSection.shape_fields()
+                              if getattr(mc, name) is not None})
+        tree["train"]["run_dir"] = str(self.run_dir)
         text = "# resolved configuration of this run (moescale train --config this file)\n"
-        text += to_toml(resolved)
+        text += tomli_w.dumps(tree)
         atomic_write_text(self.run_dir / "config.toml", text)
 
     def _resume(self) -> None:

@@ -98,3 +98,27 @@ def test_hook_copies_are_not_released(forced_release):
     y2 = moe(x)
     y2.sum().backward()
     assert forced_release, "without the hook the same layer releases"
+
+
+def test_rows_path_releases_and_gives_the_same_gradients(forced_release, monkeypatch):
+    """GroupedFFNRows (the seam the all-to-all dispatchers call): bitwise the same gradients
+    with and without the release."""
+    experts = build(glu=True).experts
+    counts = (200, 0, 180, 132)
+    x_RD = torch.randn(sum(counts), D_MODEL, generator=torch.Generator().manual_seed(5))
+
+    def grads():
+        x = x_RD.clone().requires_grad_(True)
+        experts.forward_rows(x, counts).square().sum().backward()
+        out = [x.grad] + [p.grad for p in experts.parameters()]
+        experts.zero_grad(set_to_none=True)
+        return out
+
+    released = grads()
+    assert forced_release
+    monkeypatch.setattr(page_release, "RELEASE_MIN_BYTES", 1 << 62)
+    forced_release.clear()
+    kept = grads()
+    assert not forced_release
+    for a, b in zip(released, kept):
+        assert torch.equal(a, b)

@@ -130,10 +130,20 @@ def test_config_errors_name_the_argument():
     for kwargs, word in [(dict(activation_policy="drop"), "activation_policy"),
                          (dict(step_mode="lazy"), "step_mode"),
                          (dict(tier="ssd"), "tier"),
-                         (dict(tier="disk"), "directory"),
-                         (dict(compute_dtype="int8"), "compute_dtype")]:
+                         (dict(compute_dtype="int8"), "compute_dtype"),
+                         (dict(lookahead=-1), "lookahead"),
+                         (dict(pin_fraction=1.5), "pin_fraction"),
+                         (dict(host_cache_bytes=0), "host_cache_bytes")]:
         with pytest.raises(ValueError, match=word):
             OffloadConfig(**kwargs)
+    # what needs the call's context is checked by offload_moe before anything moves: the disk
+    # tier's directory (a run fills it in from its run directory), and device-only's no-op
+    for kwargs, word in [(dict(tier="disk"), "directory"), (dict(tier="device-only"),
+                                                            "nothing to offload")]:
+        moe = build()
+        with pytest.raises(ValueError, match=word):
+            offload_moe(moe, OffloadConfig(**kwargs))
+        assert type(moe.experts).__name__ == "GroupedExperts"
 
 
 class TwoLayer(torch.nn.Module):

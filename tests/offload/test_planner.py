@@ -85,9 +85,12 @@ def test_auto_tier_follows_the_planner(tmp_path, device_bytes, host_bytes, step_
 
 
 def test_auto_tier_needs_its_inputs():
-    from moescale.offload import OffloadConfig
-    with pytest.raises(ValueError, match="tokens_per_micro_batch"):
-        OffloadConfig(tier="auto", device_budget_bytes=1 << 20)
+    from moescale import MoE
+    from moescale.offload import OffloadConfig, offload_moe
+    model = MoE(8, 4, 2, d_ff=16)
+    with pytest.raises(ValueError, match="tokens_per_micro_batch"):   # before anything moves
+        offload_moe(model, OffloadConfig(tier="auto", device_budget_bytes=1 << 20))
+    assert sum(p.numel() for p in model.experts.parameters()) > 0
 
 
 def test_moescale_plan_through_the_top_level_cli(capsys):

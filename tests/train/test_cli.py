@@ -56,11 +56,11 @@ def test_short_run_through_the_cli_leaves_the_run_directory(tmp_path):
     (["--model.top_k", "9"], ["top_k=9", "num_experts=8"]),
     (["--train.steps"], ["needs a value"]),
     (["--parallel.placement", "dynamic"], ["parallel.placement='dynamic'", "torchrun"]),
-    (["--parallel.placement", "dynamic", "--offload.mode", "pin"], ["offload.mode device-only"]),
+    (["--parallel.placement", "dynamic", "--offload.mode", "pin"], ["offload.tier device-only"]),
     (["--parallel.ep_size", "2"], ["parallel.ep_size=2", "torchrun"]),          # one process
     (["--parallel.ep_size", "3", "--model.num_experts", "8"], ["does not divide"]),
     (["--offload.mode", "host", "--offload.device_budget_experts", "0.5"],
-     ["offload.mode='host'", "below one expert"]),
+     ["offload.tier='host'", "below one expert"]),
     (["--offload.mode", "host", "--offload.device_budget", "1KiB"], ["below one expert"]),
     (["--offload.mode", "auto", "--offload.device_budget", "1KiB", "--offload.rates", "a100"],
      ["no offloading mode fits"]),

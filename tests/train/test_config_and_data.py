@@ -34,7 +34,7 @@ def test_toml_then_overrides_with_types(tmp_path):
     ({"train.steps": "ten"}, ["train.steps", "not an integer"]),
     ({"train.progress": "maybe"}, ["train.progress", "boolean"]),
     ({"optim.lr": "nan"}, ["optim.lr"]),
-    ({"offload.device_budget": "12 parsecs"}, ["offload.device_budget"]),
+    ({"offload.device_budget_bytes": "12 parsecs"}, ["offload.device_budget_bytes"]),
     ({"model.router": "psychic"}, ["model.router", "topk"]),
 ])
 def test_bad_values_name_the_option(overrides, words):
@@ -48,11 +48,11 @@ def test_bad_values_name_the_option(overrides, words):
 
 def test_unsupported_combinations_are_refused_by_their_part_not_ignored():
     for overrides, words in (
-            ({"offload.mode": "host", "parallel.ep_size": "2", "parallel.reuse": "S1"},
+            ({"offload.tier": "host", "parallel.ep_size": "2", "parallel.reuse": "S1"},
              "reuse none, S2, S4 or auto"),
-            ({"offload.mode": "auto", "offload.device_budget": "1MiB",
-              "parallel.ep_size": "2"}, "offload.mode host, pin or disk"),
-            ({"parallel.placement": "dynamic", "offload.mode": "pin"}, "offload.mode device-only"),
+            ({"offload.tier": "auto", "offload.device_budget_bytes": "1MiB",
+              "parallel.ep_size": "2"}, "offload.tier host, pin or disk"),
+            ({"parallel.placement": "dynamic", "offload.tier": "pin"}, "offload.tier device-only"),
             ({"parallel.placement": "dynamic", "parallel.ep_size": "2"}, "conflicts"),
             ({"parallel.placement": "dynamic", "parallel.chunks": "2"}, "pipelined"),
             ({"parallel.placement": "dynamic", "train.precision": "bf16"}, "fp32"),
@@ -60,19 +60,19 @@ def test_unsupported_combinations_are_refused_by_their_part_not_ignored():
             ({"parallel.split": "false"}, "applies to parallel.placement dynamic"),
             ({"parallel.chunks": "4"}, "needs expert parallelism"),
             ({"parallel.reuse": "S1"}, "needs expert parallelism"),
-            ({"offload.mode": "host", "offload.step_mode": "eager"}, "optim.grad_clip"),
-            ({"offload.mode": "auto"}, "needs offload.device_budget")):
+            ({"offload.tier": "host", "offload.step_mode": "eager"}, "optim.grad_clip"),
+            ({"offload.tier": "auto"}, "needs offload.device_budget_bytes")):
         cfg = load_config(None, overrides)          # valid values ...
         with pytest.raises(ValueError, match=words):
             check_parts(cfg)                        # ... that cannot run together
     check_parts(RunConfig())
-    for ok in ({"offload.mode": "host"}, {"offload.mode": "disk"},
-               {"offload.mode": "host", "offload.step_mode": "eager", "optim.grad_clip": "0"},
+    for ok in ({"offload.tier": "host"}, {"offload.tier": "disk"},
+               {"offload.tier": "host", "offload.step_mode": "eager", "optim.grad_clip": "0"},
                {"parallel.ep_size": "2", "parallel.chunks": "auto", "parallel.reuse": "auto"},
-               {"offload.mode": "auto", "offload.device_budget": "1MiB"},
-               {"offload.mode": "disk", "parallel.ep_size": "2"},
-               {"offload.mode": "disk", "parallel.ep_size": "2", "parallel.chunks": "2"},
-               {"offload.mode": "host", "parallel.ep_size": "2", "parallel.chunks": "auto",
+               {"offload.tier": "auto", "offload.device_budget_bytes": "1MiB"},
+               {"offload.tier": "disk", "parallel.ep_size": "2"},
+               {"offload.tier": "disk", "parallel.ep_size": "2", "parallel.chunks": "2"},
+               {"offload.tier": "host", "parallel.ep_size": "2", "parallel.chunks": "auto",
                 "parallel.reuse": "auto"},
                {"parallel.placement": "dynamic", "parallel.split": "false"}):
         check_parts(load_config(None, ok))
@@ -85,27 +85,52 @@ def test_offload_and_parallel_values_are_validated():
                              ({"offload.step_mode": "lazy"}, "offload.step_mode"),
                              ({"offload.activation_policy": "drop"}, "activation_policy"),
                              ({"offload.device_budget_experts": "0"}, "device_budget_experts"),
-                             ({"offload.device_budget": "1MiB",
+                             ({"offload.device_budget_bytes": "1MiB",
                                "offload.device_budget_experts": "2"}, "not both"),
-                             ({"offload.host_cache": "lots"}, "offload.host_cache")):
+                             ({"offload.host_cache_bytes": "lots"}, "offload.host_cache_bytes"),
+                             ({"offload.tier": "ram"}, "offload.tier='ram' is unknown"),
+                             ({"offload.compute_dtype": "bfloat16"}, "train.precision")):
         with pytest.raises(ValueError, match=words):
             load_config(None, overrides)
-    # TOML integers are accepted for string options such as chunks or a byte budget
-    assert load_config(None, None, base={"parallel": {"chunks": 3}}).parallel.chunk_count() == 3
+    # TOML integers and words are accepted for chunks (a count or 'auto')
+    assert load_config(None, None, base={"parallel": {"chunks": 3}}).parallel.chunks == 3
+    assert load_config(None, {"parallel.chunks": "auto"}).parallel.chunks == "auto"
+
+
+def test_run_sections_are_the_library_configs_and_old_names_still_load():
+    from moescale.offload import OffloadConfig
+    from moescale.parallel.groups import ParallelConfig
+    cfg = load_config(None, {"offload.mode": "disk", "offload.device_budget": "1MiB",
+                             "offload.host_cache": "4MiB", "offload.disk_dir": "/tmp/x",
+                             "parallel.memory_limit": "2GiB"})
+    assert type(cfg.offload) is OffloadConfig and type(cfg.parallel) is ParallelConfig
+    assert (cfg.offload.tier, cfg.offload.device_budget_bytes, cfg.offload.host_cache_bytes,
+            cfg.offload.directory) == ("disk", 1 << 20, 4 << 20, "/tmp/x")
+    assert cfg.parallel.memory_limit_bytes == 2 << 30
+    # the run's defaults of the library's sections, and their resolved TOML (new names only)
+    assert (RunConfig().offload.tier, RunConfig().offload.step_mode) == ("device-only",
+                                                                         "deferred")
+    text = to_toml(cfg)
+    assert "tier = \"disk\"" in text and "device_budget_bytes = 1048576" in text
+    assert "\nmode" not in text and "compute_dtype" not in text
+    assert load_config(None, None, base=tomllib.loads(text)).offload == cfg.offload
 
 
 def test_help_lists_every_option_with_its_default():
     text = help_text()
     for option in ("--model.num_experts", "--model.top_k", "--model.router",
-                   "--model.capacity_factor", "--offload.mode", "--offload.device_budget",
+                   "--model.capacity_factor", "--offload.tier", "--offload.device_budget_bytes",
                    "--parallel.ep_size", "--parallel.chunks", "--parallel.reuse",
                    "--parallel.placement", "--parallel.split",
-                   "--offload.step_mode", "--offload.activation_policy", "--offload.host_cache",
-                   "--offload.disk_dir", "--offload.device_budget_experts",
+                   "--offload.step_mode", "--offload.activation_policy", "--offload.host_cache_bytes",
+                   "--offload.directory", "--offload.device_budget_experts",
                    "--train.precision", "--train.batch_size", "--train.seq_len", "--train.steps",
                    "--optim.schedule", "--train.seed", "--data.path"):
         assert option in text
     assert "default 'device-only'" in text
+    # each option's documentation is the comment after its field (the library's for offload)
+    assert "experts uploaded ahead of the one computing" in text
+    assert "--offload.compute_dtype" not in text    # derived from train.precision
 
 
 def test_split_by_file_is_deterministic_and_disjoint(tmp_path):

@@ -140,7 +140,7 @@ def test_gradient_accumulation_on_the_disk_tier(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("offload.mode", "pin", "use offload.mode host or disk, or offload.mode device-only"),
+    ("offload.mode", "pin", "use offload.tier host or disk, or offload.tier device-only"),
     ("offload.activation_policy", "offload", "use offload.activation_policy keep or recompute"),
     ("offload.step_mode", "eager", "use offload.step_mode deferred"),
 ])

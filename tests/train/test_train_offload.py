@@ -112,6 +112,6 @@ def test_disk_tier_refuses_at_start_when_checkpoints_would_not_fit(corpus, tmp_p
     with pytest.raises(ValueError) as err:
         Trainer(cfg, run_dir, out=open("/dev/null", "w")).run()
     message = str(err.value)
-    assert "offload.mode='disk' needs" in message and "GiB are free" in message
+    assert "offload.tier='disk' needs" in message and "GiB are free" in message
     assert "train.checkpoint_interval 0" in message and "\n" not in message
     assert not list((run_dir / "expert-store").rglob("*.bin"))

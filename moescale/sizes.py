@@ -1,0 +1,39 @@
+"""Byte sizes in configs: the `Size` type of a config field and the parser of its text.
+
+A field annotated `Size` (or `Size | None`) holds a number of bytes, an `int` at run time, so
+Python callers pass integers (`device_budget_bytes=64 << 20`); the command line and TOML files
+give text such as '512MiB', '2GB' or '1e9', which `parse_size` turns into bytes once, at the
+edge (moescale.train.options.convert reads the annotation).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import typing
+
+Size = typing.NewType("Size", int)    # bytes; given as '512MiB', '2GB', '1e9' or an integer
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text, option: str) -> int:
+    """'512MiB', '2GB', '1e9', '4096' or a positive integer -> bytes; ValueError naming
+    `option` and the value otherwise."""
+    if isinstance(text, bool):
+        raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or '2GB'")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"([0-9.eE+]+)\s*([a-zA-Z]*)", str(text).strip())
+        if match is None or match.group(2).lower() not in SIZE_UNITS:
+            raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB', '2GB' or a "
+                             "number of bytes")
+        try:
+            value = float(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
+        except ValueError:
+            raise ValueError(f"{option}={text!r} is not a size; write e.g. '512MiB' or "
+                             "'2GB'") from None
+    if not (value >= 1 and math.isfinite(value)):
+        raise ValueError(f"{option}={text!r} is invalid: a size must be at least one byte")
+    return int(value)
