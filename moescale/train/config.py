@@ -42,7 +42,7 @@ from moescale.train.options import convert, type_name
 MODEL_SIZES = ("tiny", "small", "moe-s", "moe-m", "moe-l")
 PRECISIONS = ("fp32", "bf16")
 SCHEDULES = ("cosine", "linear", "constant")
-TOKEN_DTYPES = ("uint8", "uint16", "int32")
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32")
 
 # The default run (`moescale train` with no options): the tiny model at batch 16 x 128 tokens.
 # Measured on the 2-core AVX2 development machine at low load: ~3,000 tokens/s whether on 1 or 2
@@ -112,18 +112,27 @@ class ModelSection:
 class DataSection:
     """Training text. path '' is the built-in corpus (the Python standard library's source)."""
 
-    path: str = ""              # '' | text file | directory | token .bin; comma-separated list ok
-    cache_dir: str = ""         # '' -> ~/.cache/moescale (the built-in corpus' token file)
+    path: str = ""              # '' | text file | directory | saved HF dataset | token .bin;
+                                # comma-separated list ok
+    cache_dir: str = ""         # '' -> ~/.cache/moescale (tokenized corpora, joined .bin files)
     val_fraction: float = 0.05  # share of files (or of the tail of one file) held out
-    token_dtype: str = "uint8"  # element type of a token .bin
-    vocab_size: int = 256       # byte-level by default; raise it for a .bin of larger ids
+    tokenizer: str = ""         # '' -> bytes; a tokenizer.json, or a directory with it or with
+                                # GPT-2 style vocab.json + merges.txt (saved as an absolute path)
+    text_column: str = "text"   # the text column of a dataset saved by datasets' save_to_disk
+    token_dtype: str = ""       # element type of a token .bin ('' -> its NAME.bin.json sidecar)
+    vocab_size: int = 0         # 0 -> the data's (tokenizer, sidecar, 256 for bytes); larger pads
 
     def __post_init__(self) -> None:
         _need(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction,
               "must lie strictly between 0 and 1")
-        _need(self.token_dtype in TOKEN_DTYPES, "data.token_dtype", self.token_dtype,
-              f"choose one of {', '.join(TOKEN_DTYPES)}")
-        _need(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be >= 2")
+        _need(self.token_dtype in ("",) + TOKEN_DTYPES, "data.token_dtype", self.token_dtype,
+              f"choose one of {', '.join(TOKEN_DTYPES)} ('' reads the .bin's sidecar)")
+        _need(self.vocab_size == 0 or self.vocab_size >= 2, "data.vocab_size", self.vocab_size,
+              "must be 0 (the data's vocabulary) or >= 2")
+        _need(bool(self.text_column.strip()), "data.text_column", self.text_column,
+              "give the name of the dataset's text column")
+        if self.tokenizer.strip():     # absolute, so the run decodes from anywhere later
+            self.tokenizer = str(Path(self.tokenizer.strip()).expanduser().absolute())
 
 
 @dataclass(kw_only=True)

@@ -1,28 +1,31 @@
-"""Training data: byte-level token streams from the built-in corpus, text files or a token .bin.
+"""Training data: token streams from the built-in corpus, text, a saved dataset or token .bin files.
 
 The built-in corpus is the source of the Python standard library installed on this machine
 (`sysconfig`'s stdlib path, every `*.py` outside site-packages, in sorted relative-path order),
-read as bytes (tokens 0..255). Files are split into train and validation BY FILE with a
-deterministic hash of the relative path, so no file straddles the split; the two streams are
-cached as `.bin` token files (plus a JSON description) in the cache directory, keyed by the
-file list, and rebuilt when the standard library changes.
+tokenized like any text folder (bytes by default): split into train and validation BY FILE
+with a deterministic hash of the relative path, so no file straddles the split, and cached as
+token files keyed by the files' contents, so a changed standard library is read again.
 
 `data.path` may also name a text file, a directory (its text files, recursively, split by
-file), a comma-separated list of them, or a token `.bin` (a flat array of `data.token_dtype`;
-its last `val_fraction` is the validation stream). A single text file is split the same way.
+file), a comma-separated list of them, a Hugging Face dataset saved on disk, or token `.bin`
+files (corpus.py, token_files.py). Text is tokenized once by `data.tokenizer` (bytes when unset;
+tokenizer.py) into cached token files that are memory-mapped, so no corpus is ever held in
+memory. A `.bin` is read with the dtype of its sidecar or `data.token_dtype`, its ids checked
+against the vocabulary; several are joined once in the cache; its last `val_fraction` is the
+validation stream, as for a text corpus too small to split by file. The model's vocabulary is
+`data.vocab_size`, or (0) the tokenizer's, the sidecar's, or 256 for bytes.
 
 `TokenBatches` draws random windows from a `numpy` generator seeded by the run's seed; its state
 is plain JSON so checkpoints restore it exactly. Validation batches come from a fresh generator
 every time, so successive validation losses are measured on the same windows.
 
-This file does not tokenize beyond bytes and keeps no global state.
+This file keeps no global state.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moescale.atomic import atomic_write_bytes
 from moescale.train.config import DataSection
+from moescale.train.corpus import (Corpus, build_lock, content_key, dataset_corpus,
+                                   is_saved_dataset, list_sources, text_corpus, tokenize_corpus)
+from moescale.train.token_files import bin_dtype, complete, copy_tokens, open_bin, scan_ids
+from moescale.train.tokenizer import ByteTokenizer, FileTokenizer, load_tokenizer
 
-CORPUS_VERSION = 1
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -45,6 +50,7 @@ class TokenData:
     val: np.ndarray
     vocab_size: int
     description: str
+    tokenizer: ByteTokenizer | FileTokenizer | None = ByteTokenizer()   # None: ids only
 
 
 def stdlib_files() -> tuple[Path, list[str]]:
@@ -54,76 +60,21 @@ def stdlib_files() -> tuple[Path, list[str]]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for name in filenames:
-            if name.endswith(".py"):
+            if name.endswith(".py") and os.access(os.path.join(dirpath, name), os.R_OK):
                 found.append(os.path.relpath(os.path.join(dirpath, name), root))
     return root, sorted(found)
 
 
-def is_validation(relpath: str, val_fraction: float) -> bool:
-    """Deterministic split by file: a hash of the relative path, independent of the machine."""
-    digest = hashlib.sha256(relpath.replace(os.sep, "/").encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2.0**64 < val_fraction
-
-
-def _read_files(root: Path, relpaths: list[str], val_fraction: float):
-    train, val = [], []
-    for rel in relpaths:
-        try:
-            data = (root / rel).read_bytes()
-        except OSError:
-            continue
-        (val if is_validation(rel, val_fraction) else train).append(data)
-    return b"".join(train), b"".join(val)
-
-
-def builtin_corpus(cache_dir: str | Path, val_fraction: float) -> TokenData:
-    """The standard library's source as byte tokens, built once and cached."""
+def builtin_corpus() -> Corpus:
+    """The standard library's source files, as a text corpus."""
     root, relpaths = stdlib_files()
     if not relpaths:
         raise ValueError(f"data.path='' (the built-in corpus) found no *.py files under the "
                          f"standard library {str(root)!r}; give a text file or directory "
                          "with --data.path")
-    key_src = json.dumps([CORPUS_VERSION, str(root), val_fraction, relpaths,
-                          [os.path.getsize(root / r) for r in relpaths]])
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    cache = Path(cache_dir).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
-    meta_path = cache / f"stdlib-{key}.json"
-    train_path, val_path = cache / f"stdlib-{key}.train.bin", cache / f"stdlib-{key}.val.bin"
-    if not (meta_path.is_file() and train_path.is_file() and val_path.is_file()):
-        train, val = _read_files(root, relpaths, val_fraction)
-        atomic_write_bytes(train_path, train)
-        atomic_write_bytes(val_path, val)
-        meta = {"root": str(root), "files": len(relpaths), "train_tokens": len(train),
-                "val_tokens": len(val), "val_fraction": val_fraction}
-        atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
-    meta = json.loads(meta_path.read_text())
-    train_arr = np.memmap(train_path, dtype=np.uint8, mode="r")
-    val_arr = np.memmap(val_path, dtype=np.uint8, mode="r")
-    desc = (f"Python {'.'.join(map(str, __import__('sys').version_info[:3]))} standard library: "
-            f"{meta['files']} files, {len(train_arr):,} train / {len(val_arr):,} validation "
-            "byte tokens")
-    return TokenData(train_arr, val_arr, 256, desc)
-
-
-def _is_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
-
-
-def _text_sources(paths: list[Path]) -> tuple[list[tuple[str, Path]], list[Path]]:
-    files: list[tuple[str, Path]] = []
-    bins: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            for sub in sorted(p for p in path.rglob("*") if p.is_file()):
-                if sub.suffix != ".bin" and _is_text(sub):
-                    files.append((str(sub.relative_to(path)), sub))
-        elif path.suffix == ".bin":
-            bins.append(path)
-        else:
-            files.append((path.name, path))
-    return files, bins
+    version = ".".join(map(str, sys.version_info[:3]))
+    return text_corpus([(rel, root / rel) for rel in relpaths],
+                       f"Python {version} standard library, {len(relpaths)} files")
 
 
 def _tail_split(tokens: np.ndarray, val_fraction: float):
@@ -131,60 +82,112 @@ def _tail_split(tokens: np.ndarray, val_fraction: float):
     return tokens[:-num_val], tokens[-num_val:]
 
 
+def _model_vocab(cfg: DataSection, data_vocab: int | None, origin: str, top: int) -> int:
+    """The model's vocabulary: data.vocab_size, or (0) the data's own; never below the data's."""
+    if cfg.vocab_size == 0:
+        if data_vocab is None:
+            raise ValueError(f"data.path={cfg.path!r}: the vocabulary size of a token .bin "
+                             f"without a sidecar is unknown (its ids reach {top}); give "
+                             "--data.vocab_size (50257 for GPT-2 ids), or a sidecar with "
+                             '"vocab_size"')
+        return data_vocab
+    if data_vocab is not None and cfg.vocab_size < data_vocab:
+        raise ValueError(f"data.vocab_size={cfg.vocab_size} is smaller than the vocabulary of "
+                         f"{origin} ({data_vocab}); leave data.vocab_size 0 to take it from the "
+                         f"data, or give at least {data_vocab}")
+    return cfg.vocab_size
+
+
+def _split_or_tail(train: np.ndarray, val: np.ndarray, cfg: DataSection):
+    if len(train) and len(val):
+        return train, val
+    tokens = train if len(train) else val   # too few files to split by file: hold out the tail
+    if len(tokens) == 0:
+        raise ValueError(f"data.path={cfg.path!r} holds no tokens (empty corpus); give "
+                         "non-empty text files")
+    return _tail_split(tokens, cfg.val_fraction)
+
+
+def _from_text(cfg: DataSection, corpus: Corpus, tokenizer, cache: Path) -> TokenData:
+    train_path, val_path = tokenize_corpus(corpus, tokenizer, cache, cfg.val_fraction)
+    dtype, _ = bin_dtype(train_path, "")
+    train, val = _split_or_tail(open_bin(train_path, dtype), open_bin(val_path, dtype), cfg)
+    origin = f"data.tokenizer {tokenizer.path}" if tokenizer.path else "byte-level text"
+    vocab = _model_vocab(cfg, tokenizer.vocab_size, origin, 0)
+    desc = (f"{cfg.path or 'built-in corpus'} ({corpus.kind}; tokens: "
+            f"{tokenizer.describe()}): {len(train):,} train / {len(val):,} validation tokens")
+    return TokenData(train, val, vocab, desc, tokenizer)
+
+
+def _from_bins(cfg: DataSection, bins: list[Path], tokenizer, cache: Path) -> TokenData:
+    found = [bin_dtype(path, cfg.token_dtype) for path in bins]
+    if len({dtype for dtype, _ in found}) > 1:
+        raise ValueError(f"data.path={cfg.path!r} joins .bin files of different dtypes "
+                         f"({', '.join(sorted({d for d, _ in found}))}); give files of one dtype")
+    dtype = found[0][0]
+    arrays = [a for a in (open_bin(path, dtype) for path in bins) if len(a)]
+    if not arrays:
+        raise ValueError(f"data.path={cfg.path!r} holds no tokens (empty corpus); give "
+                         "non-empty token files")
+    known = [v for _, v in found if v is not None]
+    data_vocab, origin = (max(known), "the .bin sidecar") if known else (None, "")
+    if tokenizer is not None:
+        if data_vocab is not None and data_vocab > tokenizer.vocab_size:
+            raise ValueError(f"data.tokenizer={cfg.tokenizer!r} has {tokenizer.vocab_size} "
+                             f"tokens but the sidecar of data.path={cfg.path!r} says "
+                             f"vocab_size {data_vocab}; give the tokenizer these ids came from")
+        data_vocab, origin = tokenizer.vocab_size, f"data.tokenizer {tokenizer.path}"
+    tokens = arrays[0]
+    if len(arrays) > 1:      # joined once in the cache, in blocks
+        files = [(str(i), path) for i, path in enumerate(bins)]
+        joined = cache / f"bins-{content_key(files, [dtype])}.bin"
+        with build_lock(joined):
+            if not complete(joined):
+                copy_tokens(arrays, joined, dtype, data_vocab, source=cfg.path)
+        tokens = open_bin(joined, dtype)
+    low, top = scan_ids(tokens)
+    if low < 0:
+        raise ValueError(f"data.path={cfg.path!r} has token id {low} < 0 (as {dtype}); token "
+                         "ids lie in [0, data.vocab_size): check data.token_dtype and the file")
+    vocab = _model_vocab(cfg, data_vocab, origin, top)
+    if top >= vocab:
+        source = f"data.vocab_size={cfg.vocab_size}" if cfg.vocab_size else origin
+        raise ValueError(f"data.path={cfg.path!r} has token id {top} >= the vocabulary size "
+                         f"{vocab} ({source}); check data.token_dtype and the file, or raise "
+                         "data.vocab_size")
+    train, val = _tail_split(tokens, cfg.val_fraction)
+    if tokenizer is None and dtype == "uint8" and vocab == 256:
+        tokenizer = ByteTokenizer()
+    desc = (f"{cfg.path} (token .bin, {dtype}): {len(train):,} train / {len(val):,} "
+            "validation tokens")
+    return TokenData(train, val, vocab, desc, tokenizer)
+
+
 def load_data(cfg: DataSection, cache_dir_default: str | Path) -> TokenData:
-    """Resolve `data.path` to train/validation token streams; ValueError on bad input."""
+    """Resolve `data.path` (and `data.tokenizer`) to train/validation token streams, memory-
+    mapped; ValueError on bad input."""
+    cache = Path(cfg.cache_dir or cache_dir_default).expanduser()
+    tokenizer = load_tokenizer(cfg.tokenizer)
     if not cfg.path:
-        return builtin_corpus(cfg.cache_dir or cache_dir_default, cfg.val_fraction)
+        return _from_text(cfg, builtin_corpus(), tokenizer, cache)
     paths = [Path(p.strip()).expanduser() for p in cfg.path.split(",") if p.strip()]
     for path in paths:
         if not path.exists():
             raise ValueError(f"data.path {str(path)!r} does not exist; give a text file, a "
-                             "directory or a token .bin (or '' for the built-in corpus)")
-    files, bins = _text_sources(paths)
+                             "directory, a saved dataset or a token .bin (or '' for the "
+                             "built-in corpus)")
+    saved = [path for path in paths if is_saved_dataset(path)]
+    if saved:
+        if len(paths) > 1:
+            raise ValueError(f"data.path={cfg.path!r} joins a saved dataset ({str(saved[0])!r}) "
+                             "with other paths; give the dataset alone")
+        return _from_text(cfg, dataset_corpus(saved[0], cfg.text_column), tokenizer, cache)
+    files, bins = list_sources(paths, cache)
     if bins and files:
         raise ValueError(f"data.path={cfg.path!r} mixes token .bin files and text; give one kind")
     if bins:
-        dtype = np.dtype(cfg.token_dtype)
-        arrays = []
-        for path in bins:
-            if path.stat().st_size % dtype.itemsize:
-                raise ValueError(f"data.path {str(path)!r} has {path.stat().st_size} bytes, not "
-                                 f"a whole number of {cfg.token_dtype} tokens; check "
-                                 "data.token_dtype")
-            if path.stat().st_size:
-                arrays.append(np.memmap(path, dtype=dtype, mode="r"))
-        tokens = np.concatenate(arrays) if len(arrays) > 1 else (arrays[0] if arrays else
-                                                                  np.zeros(0, dtype))
-        train, val = _tail_split(tokens, cfg.val_fraction) if len(tokens) else (tokens, tokens)
-        kind = "token .bin"
-    else:
-        by_file = [(rel, p.read_bytes()) for rel, p in files]
-        by_file = [(rel, data) for rel, data in by_file if data]
-        val_b = b"".join(d for rel, d in by_file if is_validation(rel, cfg.val_fraction))
-        train_b = b"".join(d for rel, d in by_file if not is_validation(rel, cfg.val_fraction))
-        if val_b and train_b:
-            train = np.frombuffer(train_b, dtype=np.uint8)
-            val = np.frombuffer(val_b, dtype=np.uint8)
-        else:  # too few files to split by file: hold out the tail instead
-            tokens = np.frombuffer(train_b + val_b, dtype=np.uint8)
-            train, val = _tail_split(tokens, cfg.val_fraction) if len(tokens) else (tokens,
-                                                                                    tokens)
-        kind = f"{len(by_file)} text files"
-    if len(train) == 0:
-        raise ValueError(f"data.path={cfg.path!r} holds no tokens (empty corpus); give "
-                         "non-empty text files")
-    vocab = 256 if not bins else cfg.vocab_size
-    low = int(min(train.min(), val.min() if len(val) else 0))
-    if low < 0:
-        raise ValueError(f"data.path={cfg.path!r} has token id {low} < 0 (as "
-                         f"data.token_dtype={cfg.token_dtype!r}); token ids lie in [0, "
-                         "data.vocab_size): check data.token_dtype and the file")
-    top = int(max(train.max(), val.max() if len(val) else 0))
-    if top >= vocab:
-        raise ValueError(f"data.path={cfg.path!r} has token id {top} >= data.vocab_size="
-                         f"{vocab}; raise data.vocab_size")
-    desc = f"{cfg.path} ({kind}): {len(train):,} train / {len(val):,} validation tokens"
-    return TokenData(train, val, vocab, desc)
+        return _from_bins(cfg, bins, tokenizer if cfg.tokenizer else None, cache)
+    return _from_text(cfg, text_corpus(files, f"{len(files)} text files"), tokenizer, cache)
 
 
 class TokenBatches:

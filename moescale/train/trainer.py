@@ -429,14 +429,12 @@ class Trainer:
         if n == 0:
             return ""
         gen = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
-        if self.data.vocab_size == 256:
-            ids = list(prompt.encode())
-        else:
-            ids = [int(self.data.val[0])]
+        tok = self.data.tokenizer       # None: a .bin of ids with no tokenizer to decode them
+        ids = (tok.encode(prompt) if tok else []) or [int(self.data.val[0])]
         idx_1S = torch.tensor([ids], dtype=torch.int64, device=self.device)
         with self._autocast():
             out = self.model.generate(idx_1S, n, temperature=temperature, top_k=40,
                                       generator=gen)[0].tolist()
-        if self.data.vocab_size == 256:
-            return bytes(out).decode("utf-8", errors="replace")
+        if tok:     # a padded vocabulary's extra ids decode to nothing
+            return tok.decode([i for i in out if i < tok.vocab_size])
         return " ".join(map(str, out))

@@ -82,6 +82,13 @@ BAD = [
     ("vocab-1", ["--data.vocab_size", "1"], "data.vocab_size=1"),
     ("vocab-huge", ["--data.path", "{tmp}/big.bin", "--data.token_dtype", "uint16",
                     "--data.vocab_size", "1e12"], "1000000000000"),
+    ("data-bin-no-dtype", ["--data.path", "{tmp}/big.bin"], "big.bin.json"),
+    ("data-dtype-vs-sidecar", ["--data.path", "{tmp}/side.bin", "--data.token_dtype", "uint8"],
+     "'uint16'"),
+    ("data-bad-sidecar", ["--data.path", "{tmp}/badside.bin"], "badside.bin.json"),
+    ("data-tokenizer-missing", ["--data.tokenizer", "{tmp}/nope.json"], "nope.json"),
+    ("data-tokenizer-unloadable", ["--data.tokenizer", "{tmp}/notes.txt"], "notes.txt"),
+    ("text_column-blank", ["--data.text_column", " "], "data.text_column"),
     # optim
     ("lr-0", ["--optim.lr", "0"], "optim.lr=0"),
     ("lr-neg", ["--optim.lr", "-1"], "optim.lr=-1"),
@@ -229,6 +236,10 @@ def files(tmp_path_factory, corpus):
     (tmp / "empty.bin").write_bytes(b"")
     (tmp / "empty.txt").write_bytes(b"")
     (tmp / "short.txt").write_bytes(b"print(1)\n")
+    np.array([5, 9] * 400, dtype=np.uint16).tofile(tmp / "side.bin")
+    (tmp / "side.bin.json").write_text('{"dtype": "uint16", "vocab_size": 50257}')
+    (tmp / "badside.bin").write_bytes(b"\x01\x02" * 100)
+    (tmp / "badside.bin.json").write_text("{oops")
     for name, config in (("undecodable", b"\xff\xfe[train]"), ("badtoml", b"[[[\n")):
         (tmp / name).mkdir()
         (tmp / name / "config.toml").write_bytes(config)

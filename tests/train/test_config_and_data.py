@@ -8,7 +8,8 @@ import pytest
 from moescale.toml_compat import tomllib
 from moescale.train.assembly import check_parts
 from moescale.train.config import RunConfig, help_text, load_config, to_toml
-from moescale.train.data import TokenBatches, is_validation, load_data
+from moescale.train.corpus import is_validation
+from moescale.train.data import TokenBatches, load_data
 from moescale.train.config import DataSection
 
 
