@@ -182,11 +182,12 @@ def pytest_collection_finish(session):
         multiprocessing.forkserver.ensure_running()
 
 
-# Trainer end-to-end files that compare N ranks with one process (seconds per test, a torchrun
-# or CLI run each): slow as whole files. Marked here, not in the files, while issue 12's set-up
-# matrix replaces them (the matrix marks its own slow cells); drop a line when its file goes.
-SLOW_FILES = ("train/test_train_parallel.py", "train/test_train_ep_offload.py",
-              "train/test_train_nodes.py", "train/test_train_dynamic.py")
+# Trainer end-to-end files of launch paths the set-up matrix does not cover (torchrun through
+# the CLI, several nodes, eager steps, gradient accumulation; seconds per test, a torchrun or
+# multi-process run each): slow as whole files. Marked here, not in the files; the matrix
+# (train/test_setup_matrix.py) marks itself; drop a line when its file goes.
+SLOW_FILES = ("train/test_train_ep_offload.py", "train/test_train_nodes.py",
+              "train/test_train_dynamic.py")
 
 
 @pytest.hookimpl(tryfirst=True)      # before -m deselects

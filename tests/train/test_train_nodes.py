@@ -30,10 +30,13 @@ from moescale.train.exchange import check_launch
 from moescale.train.config import load_config, to_dict
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import as_argv, small_corpus
-from test_train_parallel import OPTIONS, STEPS, _assert_same_run, _records, continue_run
+from train_helpers import TINY, as_argv, assert_same_run, continue_run, run_records, small_corpus
 
 pytestmark = pytest.mark.distributed
+
+STEPS = 20
+OPTIONS = dict(TINY, **{"train.steps": str(STEPS), "train.eval_interval": "10",
+                        "train.checkpoint_interval": "10", "train.keep_last": "2"})
 
 NODES = {"parallel.placement": "dynamic", "parallel.node_size": "2", "train.device": "cpu"}
 
@@ -73,7 +76,7 @@ def runs(tmp_path_factory):
 @pytest.mark.timeout(200)
 def test_two_nodes_of_two_equal_single_process(runs):
     single, nodes, *_ = runs
-    _assert_same_run(_records(nodes), _records(single))
+    assert_same_run(run_records(nodes), run_records(single))
     train = [r for r in read_metrics(nodes / "metrics.jsonl") if r["kind"] == "train"]
     assert len(train) == STEPS
     for r in train:       # the mean over all 4 devices of both nodes; the busiest node's max
@@ -97,16 +100,16 @@ def test_the_nodes_replicas_stay_bitwise_equal(runs):
 def test_the_two_node_checkpoint_resumes_in_one_process(runs, tmp_path):
     single, nodes, *_ = runs
     got = continue_run(nodes, tmp_path / "to_one", {"parallel.placement": "static",
-                                                    "parallel.node_size": "0"}, 1)
-    _assert_same_run(got, _records(single), first_step=STEPS // 2)
+                                                    "parallel.node_size": "0"}, 1, STEPS // 2)
+    assert_same_run(got, run_records(single), first_step=STEPS // 2)
 
 
 @pytest.mark.timeout(120)
 def test_a_single_process_checkpoint_resumes_on_two_nodes(runs, tmp_path):
     """Every node's local rank 0 writes the restored experts and moments into its store."""
     single, *_ = runs
-    got = continue_run(single, tmp_path / "to_nodes", NODES, 4)
-    _assert_same_run(got, _records(single), first_step=STEPS // 2)
+    got = continue_run(single, tmp_path / "to_nodes", NODES, 4, STEPS // 2)
+    assert_same_run(got, run_records(single), first_step=STEPS // 2)
 
 
 @pytest.mark.timeout(150)
@@ -131,7 +134,7 @@ def test_torchrun_on_two_machines(runs, tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "2 local ranks on each of 2 nodes" in outs[0]
-    _assert_same_run(_records(tmp_path / "run"), _records(single))
+    assert_same_run(run_records(tmp_path / "run"), run_records(single))
     assert {n for n in os.listdir("/dev/shm") if n.startswith("moescale-store-")} == before
 
 

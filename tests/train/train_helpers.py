@@ -1,5 +1,5 @@
-"""Shared helpers for the training tests: a small real text corpus, tiny-model overrides and
-a tiny run's config."""
+"""Shared helpers for the training tests: a small real text corpus, tiny-model overrides, a
+tiny run's config, copies of a run to resume, and the comparison of two runs' records."""
 
 from __future__ import annotations
 
@@ -87,3 +87,26 @@ def assert_same_run(got: list[dict], want: list[dict], first_step: int = 0,
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-7), (key, a["step"])
         assert a.get("tokens_per_expert") == b.get("tokens_per_expert"), a["step"]
+
+
+def continue_run(src, dst, overrides: dict[str, str], ranks: int, step: int) -> list[dict]:
+    """Resume a copy of run `src` from its checkpoint of `step` with `overrides` on `ranks`
+    processes (the Python API) to the end; the records it logged after that checkpoint."""
+    import os
+
+    from moescale.toml_compat import tomllib
+    from moescale.train.launch import train_distributed
+    from moescale.train.trainer import Trainer
+
+    run_dir = resume_copy(src, dst, step)
+    base = tomllib.loads((run_dir / "config.toml").read_text())
+    config = load_config(None, dict(overrides, **{"train.run_dir": str(run_dir)}), base=base)
+    if ranks > 1:
+        code, summary = train_distributed(config, run_dir, ranks, resume=True, quiet=True,
+                                          deadline_s=100)
+        assert code == 0 and summary["world_size"] == ranks
+        assert summary["step"] == config.train.steps
+    else:
+        trainer = Trainer(config, run_dir, resume=True, out=open(os.devnull, "w"))
+        assert trainer.step == step and trainer.run() == 0
+    return [r for r in run_records(run_dir) if r["step"] > step]
