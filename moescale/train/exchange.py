@@ -156,9 +156,7 @@ class StaticExchange:
                              f"launch with `torchrun --nproc-per-node {pc.ep_size} -m moescale "
                              "train ...` (or moescale.train.launch.train_distributed)")
         check_rows(config.train.batch_size, world)
-        self.pconfig = ParallelConfig(
-            ep_size=pc.ep_size, timeout_s=pc.timeout_s, chunks=pc.chunks, reuse=pc.reuse,
-            memory_limit_bytes=pc.memory_limit_bytes)
+        self.pconfig = pc       # the run's [parallel] section is the library's ParallelConfig
         self.groups = init_distributed(self.pconfig)
 
     def prepare(self, model) -> None:
