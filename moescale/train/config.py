@@ -184,6 +184,10 @@ class TrainSection:
     run_dir: str = ""            # '' -> runs/<timestamp>
     sample_tokens: int = 200     # length of the generated sample at the end (0: none)
     progress: bool = True        # tqdm progress bar on stderr
+    report: bool = True          # draw report.png at the end (metrics.jsonl is always written;
+                                 # moescale.train.report.write_report(run_dir) draws it later)
+    tensorboard: bool = False    # also write the metrics as TensorBoard scalars to
+                                 # <run_dir>/tensorboard (needs: pip install tensorboard)
     max_skips: int = 5           # consecutive non-finite steps (skipped) that stop the run
 
     def __post_init__(self) -> None:

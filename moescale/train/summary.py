@@ -105,7 +105,7 @@ def summarise(trainer, train_time: float, train_tokens: int, wall: float, last_c
         "placement": trainer.config.parallel.placement, **_mean_loads(train),
         "pipeline": next((r["pipeline"] for r in reversed(train) if "pipeline" in r), None),
     }
-    report = write_report(trainer.run_dir)
+    report = write_report(trainer.run_dir) if trainer.config.train.report else None
     summary["report"] = str(report) if report else None
     summary["sample"] = sample
     atomic_write_json(trainer.run_dir / "summary.json", summary)
@@ -142,7 +142,7 @@ def print_summary(trainer, s: dict) -> None:
         f"offload plan: {trainer.plan_text}",
         *_load_lines(s),
         *_pipeline_lines(s),
-        f"report:       {s['report']}",
+        f"report:       {s['report'] or 'not drawn (train.report false)'}",
     ]
     if s["sample"]:
         lines.append("sample:\n" + s["sample"])

@@ -26,7 +26,8 @@ from train_helpers import TINY, as_argv, moescale_cmd, small_corpus
 def test_short_run_through_the_cli_leaves_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     args = as_argv(dict(TINY, **{"train.steps": "4", "train.eval_interval": "2",
-                                 "train.sample_tokens": "16", "train.run_dir": str(run_dir)}))
+                                 "train.sample_tokens": "16", "train.report": "true",
+                                 "train.run_dir": str(run_dir)}))
     proc = subprocess.run(moescale_cmd("train", *args), capture_output=True, text=True,
                           timeout=170, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -12,7 +12,7 @@ from moescale.train.data import stdlib_files
 TINY = {"model.n_layers": "2", "model.d_model": "32", "model.n_heads": "2", "model.d_ff": "64",
         "model.num_experts": "4", "model.top_k": "2", "train.batch_size": "4",
         "train.seq_len": "32", "train.eval_batches": "2", "train.threads": "1",
-        "train.sample_tokens": "0", "train.progress": "false", "optim.warmup_steps": "2"}
+        "train.sample_tokens": "0", "train.progress": "false", "train.report": "false", "optim.warmup_steps": "2"}
 
 
 def small_corpus(folder: Path, num_files: int = 24) -> Path:
