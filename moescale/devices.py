@@ -11,7 +11,12 @@ things from a device, and nothing else:
   compute dtype, issued asynchronously; `Transfer.wait()` returns the device tensors once they
   may be read by the caller's compute;
 - `download(device_tensor)` -> `Transfer` of a host copy (gradients, offloaded activations);
-- `tensor_device`: where compute runs (`cpu` for the simulated device).
+- `tensor_device`: where compute runs (`cpu` for the simulated device);
+- a stall clock: `stall_begin()` -> token, `stall_end(token)` around a stretch in which compute
+  waits for offloaded data, and `stalled_s()`, the seconds of every stretch ended so far. The
+  simulated device times the caller's thread (perf_counter); CUDA times the compute stream with
+  timing events (the stretch the stream spent between the two events: waiting on a copy's
+  event, or idle while the host prepared it), resolved when `stalled_s()` is read.
 
 `SimulatedDevice(budget_bytes)` stands in for accelerator memory on CPU-only machines: device
 tensors are CPU tensors, every reservation is charged to the budget, and copies run on one
@@ -136,6 +141,7 @@ class _DeviceBase:
             raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive integer or None "
                              "(no budget)")
         self._ledger = _Ledger(budget_bytes, name)
+        self._stalled = 0.0      # seconds of the stall clock's stretches (see the module doc)
 
     @property
     def budget_bytes(self) -> int | None:
@@ -181,6 +187,17 @@ class SimulatedDevice(_DeviceBase):
         self.copy_thread_names: set[str] = set()
         self.bytes_uploaded = 0
         self.bytes_downloaded = 0
+
+    @staticmethod
+    def stall_begin() -> float:
+        return time.perf_counter()
+
+    def stall_end(self, token: float) -> None:
+        """Compute waited on this thread since stall_begin() returned `token`."""
+        self._stalled += time.perf_counter() - token
+
+    def stalled_s(self) -> float:
+        return self._stalled
 
     def _copy(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None,
               upload: bool) -> list:
@@ -243,6 +260,27 @@ class CudaDevice(_DeviceBase):
         self.side_stream = torch.cuda.Stream(self.tensor_device)
         self.bytes_uploaded = 0
         self.bytes_downloaded = 0
+        self._stalls: list = []     # (begin, end) timing events not read yet
+
+    def _timing_event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.tensor_device))
+        return event
+
+    def stall_begin(self):
+        return self._timing_event()
+
+    def stall_end(self, token) -> None:
+        """The compute stream's stretch from stall_begin's event to now (its wait_event on a
+        copy's event, or its idle time while the host prepared the copy)."""
+        self._stalls.append((token, self._timing_event()))
+
+    def stalled_s(self) -> float:
+        for begin, end in self._stalls:
+            end.synchronize()
+            self._stalled += begin.elapsed_time(end) / 1000.0
+        self._stalls.clear()
+        return self._stalled
 
     def _finish(self, future: Future, tensors: list, event) -> Transfer:
         future.set_result(tensors)

@@ -14,6 +14,7 @@ SharedStoreStep`). All three satisfy `ExpertStep`, so a loop is written once:
         loss = ...; step.before_backward(loss.detach()); loss.backward()
     norm = step.clip_grad_norm_(model, max_norm)   # None: experts already stepped (eager)
     step.step(); optimizer.step()                  # or step.skip_step() to discard the step
+    waited = step.take_wait_s()   # seconds compute waited for experts since the last take
 
 Gradient averaging over data-parallel ranks is the exchange's business (it runs before clip).
 """
@@ -38,6 +39,7 @@ class ExpertStep(Protocol):
     def skipped_steps(self) -> int: ...
     def step(self) -> None: ...
     def skip_step(self) -> None: ...
+    def take_wait_s(self) -> float: ...
     def memory(self) -> dict: ...
     def close(self) -> None: ...
 
@@ -76,6 +78,9 @@ class ResidentStep:
 
     def skip_step(self) -> None:
         pass
+
+    def take_wait_s(self) -> float:
+        return 0.0        # nothing to wait for: every expert is on the device
 
     def memory(self) -> dict:
         return {}

@@ -14,6 +14,12 @@ re-uploaded when the optimizer has stepped its master (its version moved on).
 Every upload waits on the host optimizer's step fence for that expert first, on the copy
 thread: the device never reads a master whose step is still running.
 
+Waiting is measured where it happens: from the moment compute needs the next expert of a walk
+(the walk starts, or the caller comes back for the next one) until its copy is usable, on the
+device's stall clock (devices.py: the caller's thread on the simulated device, the compute
+stream's timing events on CUDA), plus the caller's own disk-tier record reads outside walks
+(`ExpertStore.thread_read_wait_s`). `take_wait_s()` hands a training step its share.
+
 Deliberately not here: activations (experts.py), the store's own disk cache (store.py).
 
 Legend: P parameters of one expert.
@@ -21,7 +27,7 @@ Legend: P parameters of one expert.
 
 from __future__ import annotations
 
-import time
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,7 +69,25 @@ class DeviceCache:
         self.ema: dict[Key, float] = {}
         self.num_uploads = 0
         self.num_lookahead = 0
-        self.wait_seconds = 0.0   # time the caller waited for uploads (store reads included)
+        self._walk_reads: dict[int, float] = {}   # per thread: its store reads inside walks
+        self._taken = 0.0         # wait_seconds at the last take_wait_s()
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds compute has waited for experts so far: the device's stalls in walks (until
+        the next expert's copy was usable: its optimizer fence, the store's read, the upload),
+        plus the caller's thread's own disk-tier record reads outside walks (e.g. the
+        gradient-norm pass, gradients added to the records)."""
+        inside = self._walk_reads.get(threading.get_ident(), 0.0)   # in the stalls already
+        outside = self.store.thread_read_wait_s() - inside
+        return self.device.stalled_s() + outside
+
+    def take_wait_s(self) -> float:
+        """wait_seconds since the previous take (a training step's share; call it on the
+        step's thread)."""
+        now = self.wait_seconds
+        waited, self._taken = now - self._taken, now
+        return max(0.0, waited)
 
     def expert_bytes(self, layer: int) -> int:
         return self.store.layouts[layer].numel * torch.empty((), dtype=self.dtype).element_size()
@@ -143,12 +167,15 @@ class DeviceCache:
                 pending.append((order[nxt], entry))
                 nxt += 1
 
+        device, reads, me = self.device, self.store.thread_read_wait_s, threading.get_ident()
+        stall, read0 = device.stall_begin(), reads()   # compute needs order[0] from now on
         issue()
         while pending:
             e, entry = pending[0]
-            start = time.perf_counter()
             weights_P = entry.wait()
-            self.wait_seconds += time.perf_counter() - start
+            device.stall_end(stall)
+            if reads() != read0:     # CUDA: prepare() read on this thread, in the stall
+                self._walk_reads[me] = self._walk_reads.get(me, 0.0) + reads() - read0
             try:
                 yield e, weights_P
             finally:
@@ -157,6 +184,7 @@ class DeviceCache:
                     entry.tensor_P = None
                     entry.reservation.release()
             del weights_P
+            stall, read0 = device.stall_begin(), reads()   # the caller's compute is queued
             issue()
 
     # ----------------------------------------------------------------- hot experts

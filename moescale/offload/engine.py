@@ -266,6 +266,11 @@ class OffloadEngine:
             finally:
                 self.store.release(key, grad_zero=True)
 
+    def take_wait_s(self) -> float:
+        """Seconds compute waited for experts (uploads, their fences and disk reads) since the
+        previous call: a training step's wait (DeviceCache.take_wait_s)."""
+        return self.cache.take_wait_s()
+
     def synchronize(self) -> None:
         """Wait for every queued host task (optimizer steps, accumulations)."""
         self.optimizer.wait_all()

@@ -67,6 +67,9 @@ class OffloadStep:
         self._held = False
         self.engine.skip_step()
 
+    def take_wait_s(self) -> float:
+        return self.engine.take_wait_s()
+
     def memory(self) -> dict:
         """The device's peak and budget; for the disk tier the store's file and I/O bytes."""
         engine = self.engine

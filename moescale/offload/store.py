@@ -19,6 +19,10 @@ construction; too little free space for the files raises OSError(ENOSPC) before 
 written (`reserve_disk` checks every layer at once); a write that fails later (disk full)
 raises OSError naming the file.
 
+`thread_read_wait_s()`: the seconds the calling thread has blocked in disk-tier acquires (a
+training step's own record reads, e.g. its gradient-norm pass; counted per thread, so the copy
+and optimizer threads' reads are not the step's).
+
 Deliberately not here: the optimizer math (optimizer.py), device copies (cache.py), atomic
 checkpoints of the store (checkpoint.py), the disk tier's I/O (disk_tier.py, direct_io.py).
 
@@ -33,6 +37,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -173,6 +178,7 @@ class ExpertStore:
         self.versions: dict[Key, int] = {}
         self._lock = threading.Lock()
         self.disk: DiskTier | None = None
+        self._waits = threading.local()   # per thread: seconds blocked in disk-tier acquires
         self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
 
     # ----------------------------------------------------------------- construction
@@ -315,9 +321,16 @@ class ExpertStore:
             data_4P = self._host[layer][e]
             return ExpertRecord(key, data_4P.unbind(0), self._steps[key], data_4P)
         self._ensure_disk_cache()
+        start = time.perf_counter()
         entry = self.disk.acquire(key, rows)
+        self._waits.seconds = self.thread_read_wait_s() + time.perf_counter() - start
         views = [self.disk.row_view(entry, pos) for pos in LOGICAL_POS]
         return ExpertRecord(key, views, self._steps[key])
+
+    def thread_read_wait_s(self) -> float:
+        """Seconds the calling thread has spent in disk-tier acquires (waiting for a cache slot
+        and the record's read; a cached record costs microseconds); 0.0 on the host tier."""
+        return getattr(self._waits, "seconds", 0.0)
 
     def _ensure_disk_cache(self) -> None:
         if not self.disk.host_cache_bytes:   # the default: decided once every layer is known

@@ -45,6 +45,9 @@ class SharedStoreStep:
     def skipped_steps(self) -> int:
         return 0
 
+    def take_wait_s(self) -> float:
+        return 0.0        # computed in place in the node's host store: no uploads
+
     def step(self) -> None:
         group = self.optimizer.param_groups[0]
         # its first barrier: every share is averaged and clipped before any owner steps
@@ -118,6 +121,9 @@ class StreamedStoreStep(SharedStoreStep):
         self._coef = None
         step_shared_experts(self.layers, self.groups.ep_group, lr=0.0, skip=True,
                             fence=self.coherence.fence)
+
+    def take_wait_s(self) -> float:
+        return self.rank_device.cache.take_wait_s()
 
     def memory(self) -> dict:
         out = self.rank_device.memory()

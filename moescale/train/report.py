@@ -1,15 +1,22 @@
-"""report.png of a run: loss curves, throughput and the expert-load heatmap, from metrics.jsonl.
+"""report.png of a run: loss curves, throughput, the training signals and the expert-load
+heatmap, from metrics.jsonl.
 
-Three panels: train loss per step with validation loss points; tokens/s per step (and its
-running median); a heatmap of each expert's share of its layer's routed tokens over the steps,
-one row per (MoE layer, expert), layers separated by lines (an evenly loaded layer is a flat
-colour at 1/E). Matplotlib with the Agg backend, so it works without a display.
+Seven panels: train loss per step with validation loss points; tokens/s per step (and its
+running median); the aux (balance) loss; the global gradient norm (log scale past a 10x
+range); the load imbalance, max/mean of each MoE layer's tokens per expert (the worst layer)
+and, with several devices, the modelled device load (and static placement's, under dynamic
+placement); the share of each step's time that compute waited for offloaded experts (wait_s
+over the step time; a note instead when the experts were resident); a heatmap of each
+expert's share of its layer's routed tokens over the steps, one row per (MoE layer, expert),
+layers separated by lines (an evenly loaded layer is a flat colour at 1/E). Matplotlib with
+the Agg backend, so it works without a display.
 
 This file reads metrics; it never touches the model or the training state.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from moescale.atomic import atomic_path
@@ -22,6 +29,66 @@ def _running_median(values: list[float], window: int = 25) -> list[float]:
         chunk = sorted(values[max(0, i - window + 1):i + 1])
         out.append(chunk[len(chunk) // 2])
     return out
+
+
+def _series(train: list[dict], key: str, steps: list[int]) -> tuple[list, list]:
+    """(steps, values) of the records that hold a finite number under key."""
+    pairs = [(s, float(r[key])) for s, r in zip(steps, train)
+             if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _signal_panels(axes, train: list[dict], steps: list[int]) -> None:
+    """aux loss, grad norm, load imbalance, expert wait (see the module docstring)."""
+    ax = axes[0]
+    ax.plot(*_series(train, "aux_loss", steps), lw=0.8)
+    ax.set_title("aux (balance) loss")
+    ax.set_ylabel("aux loss")
+
+    ax = axes[1]
+    xs, norms = _series(train, "grad_norm", steps)
+    if norms:
+        ax.plot(xs, norms, lw=0.8)
+        if min(norms) > 0 and max(norms) > 10 * min(norms):
+            ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "not measured (eager expert steps)", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_title("gradient norm (before clipping)")
+    ax.set_ylabel("global L2 norm")
+
+    ax = axes[2]
+    for key, label in (("imbalance", "tokens per expert (worst layer)"),
+                       ("device_load_max_over_mean", "device load (modelled)"),
+                       ("static_load_max_over_mean", "device load, static placement")):
+        xs, values = _series(train, key, steps)
+        if values:
+            ax.plot(xs, values, lw=0.8, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_title("load imbalance (max / mean; 1 = even)")
+    ax.set_ylabel("max / mean")
+    ax.legend(fontsize="small")
+
+    ax = axes[3]
+    share = [(s, 100 * r["wait_s"] * r["tokens_per_s"] / r["tokens"])
+             for s, r in zip(steps, train)
+             if r.get("wait_s") is not None and r.get("tokens_per_s") and r.get("tokens")]
+    if any(v > 0 for _, v in share):
+        ax.plot([s for s, _ in share], [v for _, v in share], lw=0.6, alpha=0.5,
+                label="per step")
+        ax.plot([s for s, _ in share], _running_median([v for _, v in share]), lw=1.5,
+                label="running median")
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no waits: every expert resident on the device", ha="center",
+                va="center", transform=ax.transAxes)
+        ax.set_xlim(steps[0], steps[-1])
+        ax.set_yticks([])
+    ax.set_title("expert wait (uploads, fences, disk reads)")
+    ax.set_ylabel("% of step time")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
 
 
 def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path | None:
@@ -39,7 +106,10 @@ def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path | 
         return None
     out = Path(path) if path is not None else run_dir / "report.png"
     steps = [r["step"] for r in train]
-    fig, axes = plt.subplots(3, 1, figsize=(10, 11), gridspec_kw={"height_ratios": [1, 1, 1.4]})
+    fig = plt.figure(figsize=(13, 15))
+    grid = fig.add_gridspec(4, 2, height_ratios=[1, 1, 1, 1.4])
+    axes = [fig.add_subplot(grid[r, c]) for r in range(3) for c in range(2)]
+    axes.append(fig.add_subplot(grid[3, :]))
 
     ax = axes[0]
     ax.plot(steps, [r["loss"] for r in train], lw=0.8, alpha=0.8, label="train")
@@ -62,7 +132,9 @@ def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path | 
     ax.grid(alpha=0.3)
     ax.legend()
 
-    ax = axes[2]
+    _signal_panels(axes[2:6], train, steps)
+
+    ax = axes[6]
     counts = [r.get("tokens_per_expert") or [] for r in train]
     if counts and counts[0]:
         num_layers, num_experts = len(counts[0]), len(counts[0][0])

@@ -5,8 +5,10 @@ per-step load numbers the progress bar shows.
 the device's and, on the disk tier, the store's bytes) and the run's plan (train/assembly.py), writes
 summary.json and report.png and prints the summary: run dir, data, model, steps, train loss
 (mean of the last 20 steps), validation loss, tokens/s, threads, peak memory per tier, offload
-plan, the modelled device load when several devices ran. `imbalance` and `load_text` are the
-per-step numbers of the metrics record and the progress bar.
+plan, the modelled device load when several devices ran, the seconds compute waited for
+offloaded experts (total over the logged steps, `wait_s`, and its share of their step time,
+`wait_share`). `imbalance`, `postfix_text` and `load_text` are the per-step numbers of the
+metrics record and the progress bar.
 
 Not here: the loop (trainer.py), the numbers' meaning (metrics.py), the plot (report.py).
 """
@@ -35,6 +37,14 @@ def imbalance(counts_LE: list[list[int]]) -> float:
     return worst
 
 
+def postfix_text(record: dict, rate: float, residency: str) -> str:
+    """The progress bar's postfix for a step: loss, tokens/s (`rate`, smoothed), lr, expert
+    imbalance, the modelled device load (if logged) and, with offloaded experts, wait_s."""
+    wait = f" wait {record['wait_s']:.3f}s" if residency == "offloaded" else ""
+    return (f"loss {record['loss']:.3f} tok/s {rate:,.0f} lr {record['lr']:.2e} "
+            f"imb {record['imbalance']:.2f}" + wait + load_text(record))
+
+
 def load_text(record: dict) -> str:
     """The tqdm postfix part for a step's modelled device load (max/mean), if logged."""
     if "device_load_max_over_mean" not in record:
@@ -61,6 +71,14 @@ def _load_lines(s: dict) -> list[str]:
     return [f"device load:  max/mean {s['mean_device_load_max_over_mean']:.3f} "
             f"(modelled rows, mean over the run's steps; {s['placement']} placement)"
             + (f", static placement {static:.3f}" if static is not None else "")]
+
+
+def _wait_lines(s: dict) -> list[str]:
+    """The seconds compute waited for offloaded experts, when it did."""
+    if not s.get("wait_s"):
+        return []
+    return [f"expert wait:  {s['wait_s']:.1f} s ({s['wait_share']:.1%} of the step time: "
+            "uploads, their fences and disk reads)"]
 
 
 def _pipeline_lines(s: dict) -> list[str]:
@@ -103,6 +121,9 @@ def summarise(trainer, train_time: float, train_tokens: int, wall: float, last_c
         "params_active": trainer.params.active, "checkpoint": str(last_ckpt),
         "resumed_from": trainer.resumed_from,
         "placement": trainer.config.parallel.placement, **_mean_loads(train),
+        "wait_s": sum(r.get("wait_s", 0.0) for r in train),
+        "wait_share": sum(r.get("wait_s", 0.0) for r in train) / max(1e-9, sum(
+            r["tokens"] / r["tokens_per_s"] for r in train if r.get("tokens_per_s"))),
         "pipeline": next((r["pipeline"] for r in reversed(train) if "pipeline" in r), None),
     }
     report = write_report(trainer.run_dir) if trainer.config.train.report else None
@@ -141,6 +162,7 @@ def print_summary(trainer, s: dict) -> None:
         f"peak memory:  {tiers}",
         f"offload plan: {trainer.plan_text}",
         *_load_lines(s),
+        *_wait_lines(s),
         *_pipeline_lines(s),
         f"report:       {s['report'] or 'not drawn (train.report false)'}",
     ]

@@ -66,7 +66,7 @@ from moescale.train.limits import check_budget, check_memory, check_run_dir, che
 from moescale.train.metrics import MetricsLog
 from moescale.train.optim import build_optimizer, lr_at, set_lr
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
-from moescale.train.summary import imbalance, load_text, summarise
+from moescale.train.summary import imbalance, postfix_text, summarise
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
 
@@ -172,7 +172,8 @@ class Trainer:
         self.guard = StepGuard(tc.max_skips, self.err, str(self.run_dir))
         self._expert_skips = 0
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.writer)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.writer,
+                                  tensorboard=tc.tensorboard)    # events in run_dir/tensorboard
         self.resumed_from = None
         if resume:
             self._resume()
@@ -284,6 +285,7 @@ class Trainer:
         lr = lr_at(self.step, oc, tc.steps) if lr is None else lr
         set_lr(self.optimizer, lr)     # offloaded experts follow it (engine.follow)
         self.optimizer.zero_grad(set_to_none=True)
+        self.experts.take_wait_s()     # not this step's: evaluation, the last step's tail
         ce_sum = aux_sum = 0.0
         counts_LE = None
         for i in range(tc.grad_accum):
@@ -303,7 +305,8 @@ class Trainer:
         clip = oc.grad_clip if oc.grad_clip > 0 else math.inf
         grad_norm = self.parts.clip(self.model, clip)   # EP: gradients averaged first
         skips, self._expert_skips = self._expert_skips, self.experts.skipped_steps()
-        ce_sum, aux_sum, skips = self.ranks.mean([ce_sum, aux_sum, self._expert_skips - skips])
+        ce_sum, aux_sum, skips, wait_s = self.ranks.mean(    # wait_s: the ranks' mean
+            [ce_sum, aux_sum, self._expert_skips - skips, self.experts.take_wait_s()])
         skipped = self.guard.verdict(      # every rank sees the same numbers: all agree
             ce_sum / tc.grad_accum, aux_sum / tc.grad_accum,
             dense_grad_norm(self.model.parameters()) if grad_norm is None else grad_norm,
@@ -318,6 +321,7 @@ class Trainer:
         counts = [c.tolist() for c in self.ranks.sum_counts(counts_LE or [])]
         return {"kind": "train", "step": self.step, "loss": ce_sum / tc.grad_accum,
                 "aux_loss": aux_sum / tc.grad_accum, "lr": lr, "grad_norm": grad_norm,
+                "wait_s": wait_s,
                 "tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
                 "imbalance": imbalance(counts), "tokens_per_expert": counts,
                 **({} if skipped is None else {"skipped": skipped}),
@@ -392,9 +396,8 @@ class Trainer:
                 self.metrics.write(record)
                 self.stop_requested = self.ranks.any(self.stop_requested)  # ranks agree
                 bar.update(1)
-                bar.set_postfix_str(f"loss {record['loss']:.3f} tok/s {rate:,.0f} "
-                                    f"lr {record['lr']:.2e} imb {record['imbalance']:.2f}"
-                                    + load_text(record), refresh=False)
+                bar.set_postfix_str(postfix_text(record, rate, self.parts.residency.kind),
+                                    refresh=False)
                 self.guard.record(self.step, record.get("skipped"))   # may stop the run
                 done = self.step == tc.steps
                 if done or (tc.eval_interval and self.step % tc.eval_interval == 0):

@@ -42,6 +42,7 @@ def test_ep_memory_runs_every_configuration_and_checks_equality(tmp_path):
     assert code == (0 if all(report["targets"].values()) else 1)
 
 
+@pytest.mark.slow
 def test_ep_speed_runs_sweep_tuner_and_overlap(tmp_path):
     out = tmp_path / "speed.json"
     code = cli.main(["ep-speed", "--worlds", "2", "--tokens", "64", "--d-model", "16",

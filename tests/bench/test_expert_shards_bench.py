@@ -15,6 +15,7 @@ from moescale.bench.disk_probe import cpu_flags
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_expert_shards_bench_measures_every_rank(tmp_path, monkeypatch):
     for var in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):

@@ -46,6 +46,7 @@ def test_floor_moescale_and_naive_loop_rows_saved_bytes_and_targets():
     assert "moescale" in table and md.count("\n") == len(rows) + 1
 
 
+@pytest.mark.slow
 def test_gelu_experts_paired_intervals_and_rss_in_fresh_processes():
     """--expert ffn (GELU), two repeats (paired ratios with an interval), and the peak RSS
     delta measured per implementation in its own process (Linux), compared to the dense

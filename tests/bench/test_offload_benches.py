@@ -18,6 +18,7 @@ from moescale.bench.disk_probe import cpu_flags
 TINY = ["--layers", "1", "--d-model", "16", "--d-ff", "32", "--experts", "4", "--tokens", "32"]
 
 
+@pytest.mark.slow
 def test_offload_bench_reports_ratios_with_intervals_and_a_null_control(tmp_path, capsys):
     out = tmp_path / "offload.json"
     assert offload.main([*TINY, "--runs", "3", "--budgets", "2", "--out", str(out)]) == 0

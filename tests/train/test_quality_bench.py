@@ -16,6 +16,7 @@ TOY = ["--seconds", "0.3", "--batch-size", "2", "--seq-len", "16", "--eval-batch
        "--curve-points", "2", "--curve-batches", "1", "--warmup-steps", "1", "--threads", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quality_bench_writes_both_losses_for_two_seeds(tmp_path, capsys):
     assert main(TOY + ["--seeds", "1,2", "--out", str(tmp_path)]) == 0
@@ -38,6 +39,7 @@ def test_quality_bench_writes_both_losses_for_two_seeds(tmp_path, capsys):
     assert "MoE - dense" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quality_recipe_override_and_bad_seeds(tmp_path):
     assert main(TOY + ["--seeds", "3", "--top-k", "1", "--experts", "4", "--lr", "0.002",
