@@ -2,7 +2,7 @@
 # The GPU check, for the day a machine with an NVIDIA GPU is lent: the CUDA tests (offloading on
 # the side stream, the CUDA device's budget, expert parallelism over NCCL) and short GPU
 # benchmarks of the host tier and of the disk tier (pinned slots, direct reads into pinned
-# memory, side-stream uploads). Uses the machine's own python3 with PyTorch (nothing is
+# memory, side-stream uploads), and short CUDA training runs with host and disk-tier experts. Uses the machine's own python3 with PyTorch (nothing is
 # installed: such machines may have no network); moescale runs from this checkout. Results
 # and logs go to $OUT (default /tmp/gpu_check). Meant to finish in under 8 minutes.
 set -uo pipefail
@@ -30,4 +30,11 @@ step offload_host 90 "$PY" -m moescale bench offload --device cuda --runs 3 --mo
 mkdir -p /tmp/moescale-gpu-disk
 step offload_disk 150 "$PY" -m moescale bench offload-disk --device cuda --experts 16 \
   --steps 2 --probe-gb 0.5 --dir /tmp/moescale-gpu-disk --out "$OUT/offload_disk_cuda.json"
+# the trainer on CUDA with offloaded experts: side-stream uploads, the CUDA stall clock behind
+# wait_s (offload/cache.py, devices.py), pinned host memory; host and disk tiers, 6 steps each
+for tier in host disk; do
+  step "train_${tier}_cuda" 120 "$PY" -m moescale train --train.device cuda --offload.tier "$tier" \
+    --train.steps 6 --train.eval_interval 0 --train.sample_tokens 0 --train.progress false \
+    --train.report false --train.run_dir "$OUT/run_${tier}_cuda"
+done
 exit $status
