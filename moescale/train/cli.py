@@ -30,6 +30,8 @@ import time
 from moescale.toml_compat import tomllib
 from pathlib import Path
 
+import torch.distributed as dist
+
 from moescale.train.config import help_text, load_config
 
 USAGE = """usage: moescale train [--config FILE.toml] [--resume RUN_DIR] [--section.option VALUE ...]
@@ -141,9 +143,15 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated) \
         if threading.current_thread() is threading.main_thread() else None
+    group_before = dist.is_available() and dist.is_initialized()
     try:
         trainer = Trainer(config, run_dir, resume=resume is not None)
-        return trainer.run()
+        code = trainer.run()
+        if not group_before and dist.is_available() and dist.is_initialized():
+            # a torchrun rank tears its groups down before the interpreter does: gloo's threads
+            # destroyed at exit while still joinable abort the process after a finished run
+            dist.destroy_process_group()
+        return code
     except KeyboardInterrupt:
         print("moescale train: aborted (no checkpoint saved for the current step)",
               file=sys.stderr)
