@@ -14,7 +14,17 @@ from moescale.routing.routers import Router, RouterOutput
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """`moescale.load_run(RUN_DIR)` (a trained run's model), imported on first use: it pulls
+    in the trainer's modules, which `import moescale` should not."""
+    if name == "load_run":
+        from moescale.train.load_run import load_run
+
+        return load_run
+    raise AttributeError(f"module 'moescale' has no attribute {name!r}")
+
 __all__ = [
     "GPT", "GPTConfig", "gpt_config", "moefy", "OffloadConfig", "offload_moe", "GroupedExperts", "ModuleExperts", "MoE", "MoEConfig", "MoEStats", "ReferenceMoE",
-    "Router", "RouterConfig", "RouterOutput", "collect_aux_loss", "__version__",
+    "Router", "RouterConfig", "RouterOutput", "collect_aux_loss", "load_run", "__version__",
 ]

@@ -5,7 +5,8 @@ without an exception the file is fsynced, renamed over `final` with `os.replace`
 POSIX and Windows) and the directory is fsynced, so either the old or the new file exists,
 whole. On an exception the temporary file is removed and `final` is untouched; only a kill
 (SIGKILL, power loss) leaves one behind, which `is_temp_name` recognises for a later sweep.
-This module does not decide formats; callers write whatever they like to the temporary path.
+`new_directory(final)` does the same for a directory of files (exports). This module does not
+decide formats; callers write whatever they like to the temporary path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,3 +85,26 @@ def atomic_write_text(final: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(final: str | os.PathLike, payload: Any, indent: int | None = 1) -> None:
     atomic_write_text(final, json.dumps(payload, indent=indent) + "\n")
+
+
+@contextmanager
+def new_directory(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp directory beside `final`; when the block succeeds, fsync its files and make
+    it `final` in one rename (publish_dir). `final` must not exist or be an empty directory:
+    ValueError otherwise, before anything is written (an export never overwrites)."""
+    final = Path(final)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise ValueError(f"output {str(final)!r} exists and is not an empty directory; choose "
+                         "a new path (nothing is overwritten)")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        for name in os.listdir(tmp):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():
+            final.rmdir()
+        publish_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -13,6 +13,8 @@ import sys
 SUBCOMMANDS = {
     "train": ("moescale.train.cli", "train the default MoE GPT (or a configured one)"),
     "bench": ("moescale.bench.cli", "run a benchmark: moescale bench {layer,...}"),
+    "generate": ("moescale.train.generate", "continue a prompt with a trained run's model"),
+    "export": ("moescale.train.export", "write a trained run's model as a Mixtral checkpoint"),
     "plan": ("moescale.offload.plan_cli", "choose an offloading mode from memory budgets"),
     "info": ("moescale.info", "versions, devices, memory and disk found"),
 }

@@ -1,0 +1,121 @@
+"""`moescale.load_run(RUN_DIR)`: the trained model of a `moescale train` run, in one process.
+
+    model, config = moescale.load_run("runs/20261201-223000")          # newest checkpoint
+    model, config = moescale.load_run(run_dir, step=250, device="cuda")
+
+The run's `config.toml` rebuilds the GPT (the size, the overrides the run resolved, the
+vocabulary from the checkpoint's embedding); the weights come from the newest checkpoint that
+verifies (or checkpoint `step`): its dense half, then every expert from the per-rank expert
+shards (moescale.expert_state), whichever exchange and residency wrote them: one process or
+expert-parallel ranks, resident or offloaded (host tier, disk-tier records), dynamic placement's
+node store. The result is a plain, single-process, resident GPT in eval mode on `device`;
+optimizer state is not read. Checkpoints of the earlier consolidated format load too (every
+tensor is in the dense file). A checkpoint that fails verification (dense file or expert shard)
+is reported on stderr and the previous one is used, as `--resume` does; with `step` given it is
+an error.
+
+The model is built on the meta device and filled from the checkpoint, so nothing is
+initialised twice and no expert exists twice in memory.
+
+`run_tokenizer(config)` is the run's text codec: `data.tokenizer` when the run recorded one
+(moescale.train.tokenizer), else None (byte-level ids).
+"""
+
+from __future__ import annotations
+
+import sys
+from moescale.toml_compat import tomllib
+from pathlib import Path
+
+import torch
+
+from moescale.expert_state import expert_state_keys, load_expert_shards
+from moescale.models import GPT
+from moescale.offload.checkpoint import StoreCheckpointError
+from moescale.train.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
+                                       verified_checkpoints)
+from moescale.train.config import RunConfig, load_config
+from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
+from moescale.train.trainer import build_model
+
+
+def run_config(run_dir: str | Path) -> RunConfig:
+    """The RunConfig in RUN_DIR/config.toml, or ValueError saying what is missing."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {str(run_dir)!r} does not exist; give the directory a "
+                         "`moescale train` run wrote (runs/<timestamp>)")
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        raise ValueError(f"{str(run_dir)!r} has no config.toml; give the directory of a "
+                         "`moescale train` run")
+    try:
+        tree = tomllib.loads(saved.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(saved)!r} is not valid UTF-8 TOML ({err})") from None
+    return load_config(None, None, base=tree)
+
+
+def _build(config: RunConfig, tensors: dict[str, torch.Tensor], device) -> GPT:
+    vocab_size = tensors["model.tok_emb.weight"].shape[0]
+    with torch.device("meta"):
+        model = build_model(config, vocab_size)
+    model.to_empty(device=device)
+    if model.config.tie_embeddings:          # to_empty gives each name its own tensor
+        model.lm_head.weight = model.tok_emb.weight
+    return model
+
+
+def _fill(model: GPT, ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: dict) -> None:
+    """Dense half, then the expert shards (any writer layout); legacy: everything dense."""
+    dense = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    sharded = state.get("format") == RUN_STATE_FORMAT
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    if sharded:
+        missing = sorted(set(missing) - expert_state_keys(model))
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint does not fit the model its config.toml builds "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if sharded:
+        load_expert_shards(model, str(ckpt_dir), state.get("expert_shards") or [])
+
+
+def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.device = "cpu"
+             ) -> tuple[GPT, RunConfig]:
+    """(model in eval mode on `device`, the run's RunConfig); see the module docstring."""
+    config = run_config(run_dir)
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    found = list_checkpoints(ckpt_dir)
+    if not found:
+        raise ValueError(f"{str(run_dir)!r} holds no checkpoint (checkpoints/ckpt_*.safetensors); "
+                         "the run saved none yet: train it further, or wait for its first "
+                         "checkpoint (train.checkpoint_interval)")
+    device = torch.device(device)
+    if step is not None:
+        if step not in {s for s, _ in found}:
+            raise ValueError(f"step={step}: {str(run_dir)!r} has checkpoints of steps "
+                             f"{[s for s, _ in found]}; pick one of them")
+        tensors, state = load_checkpoint(checkpoint_path(ckpt_dir, step))
+        model = _build(config, tensors, device)
+        _fill(model, ckpt_dir, tensors, state)
+        return model.eval(), config
+    warn = lambda m: print(m, file=sys.stderr)   # noqa: E731
+    for path, tensors, state in verified_checkpoints(ckpt_dir, warn):
+        model = _build(config, tensors, device)
+        try:
+            _fill(model, ckpt_dir, tensors, state)
+        except StoreCheckpointError as err:
+            warn(f"warning: {str(err).splitlines()[0]}; trying the previous checkpoint")
+            continue
+        return model.eval(), config
+    raise ValueError(f"no checkpoint of {str(run_dir)!r} has intact expert shards")
+
+
+def run_tokenizer(config: RunConfig):
+    """The run's tokenizer (`data.tokenizer`), or None for byte-level ids."""
+    path = getattr(config.data, "tokenizer", "") or ""
+    if not path:
+        return None
+    from moescale.train.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
