@@ -27,12 +27,11 @@ import signal
 import sys
 import threading
 import time
-from moescale.toml_compat import tomllib
 from pathlib import Path
 
 import torch.distributed as dist
 
-from moescale.train.config import help_text, load_config
+from moescale.train.config import help_text, load_config, saved_tree
 
 USAGE = """usage: moescale train [--config FILE.toml] [--resume RUN_DIR] [--section.option VALUE ...]
 
@@ -125,15 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     if resume is not None:
         run_dir = Path(resume)
-        saved = run_dir / "config.toml"
-        if not saved.is_file():
-            raise ValueError(f"--resume {resume!r}: no config.toml there; give the directory "
-                             "of an earlier `moescale train` run")
-        try:
-            base = tomllib.loads(saved.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"--resume {resume!r}: its config.toml ({str(saved)!r}) is not "
-                             f"valid UTF-8 TOML ({err}); restore it, or start a new run") from None
+        base = saved_tree(run_dir, f"--resume {resume!r}")
         overrides["train.run_dir"] = str(run_dir)
     config = load_config(config_file, overrides, base=base)
     if resume is None:

@@ -329,6 +329,20 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
         raise ValueError(str(err)) from None
 
 
+def saved_tree(run_dir: str | Path, who: str) -> dict:
+    """The option tree in RUN_DIR/config.toml (what a run wrote), or a ValueError that starts
+    with `who` (e.g. "--resume 'runs/x'") and says what is missing or damaged."""
+    saved = Path(run_dir) / "config.toml"
+    if not saved.is_file():
+        raise ValueError(f"{who}: no config.toml there; give the directory of an earlier "
+                         "`moescale train` run")
+    try:
+        return tomllib.loads(saved.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{who}: its config.toml ({str(saved)!r}) is not valid UTF-8 TOML "
+                         f"({err}); restore it, or start a new run") from None
+
+
 def to_dict(config: RunConfig) -> dict:
     """The config as a nested dict of plain values, None values left out (TOML has no null)."""
     out = {}

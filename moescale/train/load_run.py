@@ -24,7 +24,6 @@ initialised twice and no expert exists twice in memory.
 from __future__ import annotations
 
 import sys
-from moescale.toml_compat import tomllib
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from moescale.models import GPT
 from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.train.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
                                        verified_checkpoints)
-from moescale.train.config import RunConfig, load_config
+from moescale.train.config import RunConfig, load_config, saved_tree
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.trainer import build_model
 
@@ -45,15 +44,7 @@ def run_config(run_dir: str | Path) -> RunConfig:
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist; give the directory a "
                          "`moescale train` run wrote (runs/<timestamp>)")
-    saved = run_dir / "config.toml"
-    if not saved.is_file():
-        raise ValueError(f"{str(run_dir)!r} has no config.toml; give the directory of a "
-                         "`moescale train` run")
-    try:
-        tree = tomllib.loads(saved.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{str(saved)!r} is not valid UTF-8 TOML ({err})") from None
-    return load_config(None, None, base=tree)
+    return load_config(None, None, base=saved_tree(run_dir, f"run directory {str(run_dir)!r}"))
 
 
 def _build(config: RunConfig, tensors: dict[str, torch.Tensor], device) -> GPT:
