@@ -67,18 +67,12 @@ class OffloadConfig:
                                         # or ES-MoE's A100 node ('a100')
 
     def __post_init__(self) -> None:
-        if self.tier not in OFFLOAD_TIERS:
-            raise ValueError(f"tier={self.tier!r} is unknown; use one of "
-                             f"{', '.join(OFFLOAD_TIERS)}")
-        if self.activation_policy not in POLICIES:
-            raise ValueError(f"activation_policy={self.activation_policy!r} is unknown; use "
-                             f"one of {', '.join(POLICIES)}")
-        if self.step_mode not in STEP_MODES:
-            raise ValueError(f"step_mode={self.step_mode!r} is unknown; use one of "
-                             f"{', '.join(STEP_MODES)}")
-        if self.compute_dtype not in DTYPES:
-            raise ValueError(f"compute_dtype={self.compute_dtype!r} is unknown; use one of "
-                             f"{', '.join(DTYPES)}")
+        for name, choices in (("tier", OFFLOAD_TIERS), ("activation_policy", POLICIES),
+                              ("step_mode", STEP_MODES), ("compute_dtype", DTYPES),
+                              ("rates", PLANNER_RATES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is unknown; use one of "
+                                 f"{', '.join(choices)}")
         if self.device_budget_bytes is not None and self.device_budget_experts is not None:
             raise ValueError(f"device_budget_experts={self.device_budget_experts!r}: give "
                              f"device_budget_bytes={self.device_budget_bytes!r} or a budget in "
@@ -99,9 +93,6 @@ class OffloadConfig:
             raise ValueError(f"ema_decay={self.ema_decay!r} must lie in [0, 1)")
         if self.io_threads < 1:
             raise ValueError(f"io_threads={self.io_threads!r} must be >= 1")
-        if self.rates not in PLANNER_RATES:
-            raise ValueError(f"rates={self.rates!r} is unknown; use one of "
-                             f"{', '.join(PLANNER_RATES)}")
 
     @property
     def store_tier(self) -> str:

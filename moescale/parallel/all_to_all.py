@@ -41,6 +41,19 @@ def collective_errors(what: str, group: dist.ProcessGroup | None):
         ) from exc
 
 
+def broadcast_outcome(outcome: tuple[str, object], src: int, group, what: str):
+    """Rank `src`'s ("ok", value) or ("error", message) on every rank of `group`: returns the
+    value, or raises ValueError(message) on every rank together (a set-up step that only the
+    source performs fails everywhere, not just there)."""
+    box = [outcome]
+    with collective_errors(what, group):
+        dist.broadcast_object_list(box, src=src, group=group)
+    status, value = box[0]
+    if status != "ok":
+        raise ValueError(value)
+    return value
+
+
 def _check_splits(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                   group) -> None:
     size = dist.get_world_size(group)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moescale.offload.records import G, M
 from moescale.offload.store import ExpertStore, Key, StoreConfig
-from moescale.parallel.all_to_all import collective_errors
+from moescale.parallel.all_to_all import broadcast_outcome, collective_errors
 
 
 def node_disk_store(source: ExpertStore, group, directory: str, *,
@@ -46,7 +46,7 @@ def node_disk_store(source: ExpertStore, group, directory: str, *,
     src = dist.get_global_rank(group, 0) if group is not None else 0
     config = StoreConfig(tier="disk", directory=directory, host_cache_bytes=host_cache_bytes,
                          io_threads=io_threads, direct_io=direct_io)
-    store, box = None, [("ok", None)]
+    store, outcome = None, ("ok", None)
     if rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
@@ -58,15 +58,11 @@ def node_disk_store(source: ExpertStore, group, directory: str, *,
                     (layer, e))[0][0])
                 for e in range(num):
                     store.set_step((layer, e), source.step_of((layer, e)))
-            box = [("ok", {key: store.disk.sums[key] for key in store.keys()})]
+            outcome = ("ok", {key: store.disk.sums[key] for key in store.keys()})
         except (OSError, ValueError) as err:
-            box = [("error", f"rank {src} could not write the node's expert files under "
-                             f"{directory!r}: {err}")]
-    with collective_errors("node disk store broadcast", group):
-        dist.broadcast_object_list(box, src=src, group=group)
-    status, sums = box[0]
-    if status != "ok":
-        raise ValueError(sums)
+            outcome = ("error", f"rank {src} could not write the node's expert files under "
+                                f"{directory!r}: {err}")
+    sums = broadcast_outcome(outcome, src, group, "node disk store broadcast")
     if rank != 0:
         store = ExpertStore.attach_disk(config, source.layouts, sums)
         for key in store.keys():

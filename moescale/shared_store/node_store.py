@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from moescale.layers.moe import MoE
 from moescale.offload.store import MASTER, ExpertLayout, ExpertStore, StoreConfig
-from moescale.parallel.all_to_all import collective_errors
+from moescale.parallel.all_to_all import broadcast_outcome, collective_errors
 from moescale.shared_store.experts import (
     expert_master,
     grouped_experts_of,
@@ -117,12 +117,7 @@ def node_expert_store(moes: Sequence[MoE], group=None,
                         data_E4P[e, MASTER].copy_(expert_master(x, e))
             except (OSError, ValueError) as err:
                 message = ("error", f"rank {src} could not create the shared expert store: {err}")
-        box = [message]
-        with collective_errors("shared-store status broadcast", group):
-            dist.broadcast_object_list(box, src=src, group=group)
-        status, text = box[0]
-        if status != "ok":
-            raise ValueError(text)
+        broadcast_outcome(message, src, group, "shared-store status broadcast")
         if rank != 0:
             flat = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
         with collective_errors("shared-store mapping barrier", group):
