@@ -7,6 +7,8 @@ things from a device, and nothing else:
   until `release()` (idempotent; a weakref finalizer releases a handle that is dropped without
   it, so accounting can never leak). A request past the budget raises `DeviceBudgetError`
   naming the budget, the bytes in use and the request. `used_bytes` / `peak_bytes` are exact;
+  `fits(nbytes)`: would a reservation succeed now; `fits_eventually(nbytes)`: would a blocking
+  one (once the reservations other threads release are released);
 - `upload(host_tensors, dtype, reservation)` -> `Transfer`: host -> device copies cast to the
   compute dtype, issued asynchronously; `Transfer.wait()` returns the device tensors once they
   may be read by the caller's compute;
@@ -98,6 +100,11 @@ class _Ledger:
         with self.lock:
             return self.budget_bytes is None or self.used_bytes + nbytes <= self.budget_bytes
 
+    def fits_eventually(self, nbytes: int) -> bool:
+        with self.lock:
+            return self.budget_bytes is None or \
+                self.used_bytes - self.async_bytes + nbytes <= self.budget_bytes
+
 
 class Reservation:
     """Bytes charged to a device until `release()`; released by a finalizer if dropped."""
@@ -162,6 +169,11 @@ class _DeviceBase:
     def fits(self, nbytes: int) -> bool:
         """Whether a reservation of nbytes would succeed right now."""
         return self._ledger.fits_now(nbytes)
+
+    def fits_eventually(self, nbytes: int) -> bool:
+        """Whether a blocking reservation of nbytes would succeed, at once or once the
+        reservations marked async_release are released (i.e. it would not raise)."""
+        return self._ledger.fits_eventually(nbytes)
 
     def reserve(self, nbytes: int, what: str = "a buffer", *, block: bool = False,
                 async_release: bool = False) -> Reservation:

@@ -95,17 +95,12 @@ class DiskTier:
         gen = self.gen.get(key, 0) if gen is None else gen
         return os.path.join(self._layer_dir(key[0]), f"expert{key[1]:05d}.g{gen}.bin")
 
-    @property
-    def bytes_read(self) -> int:
-        return self.io.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.io.bytes_written
+    bytes_read = property(lambda self: self.io.bytes_read)
+    bytes_written = property(lambda self: self.io.bytes_written)
 
     def cache_bytes(self) -> int:
-        return 0 if self.pool is None else (len(self.pool) - self.pool.num_free) * \
-            self.pool.slot_bytes
+        pool = self.pool
+        return 0 if pool is None else (len(pool) - pool.num_free) * pool.slot_bytes
 
     # ----------------------------------------------------------------- set-up
     def add_layer(self, numel: int, num_experts: int, init) -> None:
@@ -159,6 +154,12 @@ class DiskTier:
         self._ensure_pool()
         with self._lock:
             self.schedule.set(accesses)
+            self._pump()
+
+    def skip(self, key: Key) -> None:
+        """An access of key in the schedule will not happen (a device copy was reused)."""
+        with self._lock:
+            self.schedule.consume(key)
             self._pump()
 
     def pending_accesses(self) -> list[tuple[Key, int]]:
@@ -433,10 +434,7 @@ class DiskTier:
             self.gen[key] = gen
             self.frozen.add(key)
             self.sums[key] = {p: list(c) for p, c in sums.items()}
-            if grad:
-                self.grad_on_disk.add(key)
-            else:
-                self.grad_on_disk.discard(key)
+            (self.grad_on_disk.add if grad else self.grad_on_disk.discard)(key)
 
     def close(self) -> None:
         try:

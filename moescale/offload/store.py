@@ -382,6 +382,12 @@ class ExpertStore:
             if keep is not None else []
         self.disk.set_upcoming(kept + list(accesses))
 
+    def skip_access(self, key: Key) -> None:
+        """One access of key that set_upcoming announced will not happen (the device cache
+        reused its copy instead of reading the master again)."""
+        if self.config.tier == "disk":
+            self.disk.skip(key)
+
     def flush(self) -> None:
         """Write every dirty cached record back to its file (and wait)."""
         if self.disk is not None:
