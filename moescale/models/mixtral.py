@@ -28,6 +28,9 @@ carries `aux_loss_coef` as `moescale.models.from_hf` reads it back.
 `mlp.experts.gate_up_proj` / `down_proj` names, one file or an index of shards) into a moescale
 GPT when the Mixtral config has a GPT equivalent (num_key_value_heads = num_attention_heads,
 head_dim = hidden_size / heads, default rope, no sliding window, no router jitter).
+`open_mixtral(path)` gives the config and the tensors read on demand (`LazyTensors`);
+`mixtral_state` maps them to GPT names (optionally without the experts) and `mixtral_expert`
+reads one expert, which is how `moescale train --model.hf` fills disk-tier experts one at a time.
 
 transformers is not imported here: the files are written and read directly.
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -248,10 +252,36 @@ def export_mixtral(model: nn.Module, out_dir: str | os.PathLike) -> Path:
 
 
 # -- import ----------------------------------------------------------------------------
-def read_mixtral(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, every tensor) of a Mixtral checkpoint directory."""
-    from safetensors.torch import load_file
+class LazyTensors(Mapping):
+    """The tensors of a checkpoint's safetensors files, each read when it is looked up (a
+    Mixtral's experts are never all in memory at once)."""
 
+    def __init__(self, path: Path, files: list[str]) -> None:
+        from safetensors import safe_open
+
+        self.where: dict[str, object] = {}
+        for name in files:
+            if not (path / name).is_file():
+                raise ValueError(f"{str(path / name)!r} is missing; the checkpoint is incomplete")
+            handle = safe_open(str(path / name), framework="pt")
+            self.where.update(dict.fromkeys(handle.keys(), handle))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.where[key].get_tensor(key)
+
+    def row(self, key: str, e: int) -> torch.Tensor:
+        """tensor[e] of a stacked tensor, read alone."""
+        return self.where[key].get_slice(key)[e:e + 1][0]
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def open_mixtral(path: str | os.PathLike) -> tuple[dict, LazyTensors]:
+    """(config.json dict, its tensors read on demand) of a Mixtral checkpoint directory."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -265,12 +295,13 @@ def read_mixtral(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]
     index = path / f"{WEIGHTS}.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) \
         if index.is_file() else [WEIGHTS]
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise ValueError(f"{str(path / name)!r} is missing; the checkpoint is incomplete")
-        tensors.update(load_file(str(path / name)))
-    return config, tensors
+    return config, LazyTensors(path, files)
+
+
+def read_mixtral(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, every tensor) of a Mixtral checkpoint directory."""
+    config, tensors = open_mixtral(path)
+    return config, dict(tensors.items())
 
 
 def gpt_config_of_mixtral(config: dict) -> GPTConfig:
@@ -308,7 +339,7 @@ def gpt_config_of_mixtral(config: dict) -> GPTConfig:
         init_std=float(config.get("initializer_range", 0.02)))
 
 
-def _layer_experts(tensors: dict, layer: str, E: int, F: int):
+def _layer_experts(tensors: Mapping, layer: str, E: int, F: int):
     """(router_ED, w1_EDF, w3_EDF, w2_EFD) of one layer, from either naming."""
     fused = f"{layer}.mlp.experts.gate_up_proj"
     if fused in tensors:
@@ -321,16 +352,31 @@ def _layer_experts(tensors: dict, layer: str, E: int, F: int):
     return (tensors[f"{base}.gate.weight"], *stack)
 
 
-def import_mixtral(path: str | os.PathLike, device: str | torch.device = "cpu") -> GPT:
-    """A moescale GPT (eval mode) holding the weights of a Mixtral checkpoint directory."""
-    config, tensors = read_mixtral(path)
-    cfg = gpt_config_of_mixtral(config)
+def mixtral_expert(tensors: Mapping, layer: int, e: int, F: int) -> dict[str, torch.Tensor]:
+    """Expert e of layer `layer` under moescale's names (w1_EDF: [D, F], w3_EDF, w2_EFD: [F, D],
+    the expert dim left out), reading only that expert when `tensors` is a LazyTensors."""
+    fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+    if fused in tensors:
+        def row(key):
+            return tensors.row(key, e) if isinstance(tensors, LazyTensors) else tensors[key][e]
+        gate_up_GD = row(fused)
+        return {"w1_EDF": gate_up_GD[:F].t(), "w3_EDF": gate_up_GD[F:].t(),
+                "w2_EFD": row(f"model.layers.{layer}.mlp.experts.down_proj").t()}
+    ex = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+    return {"w1_EDF": tensors[f"{ex}.w1.weight"].t(), "w3_EDF": tensors[f"{ex}.w3.weight"].t(),
+            "w2_EFD": tensors[f"{ex}.w2.weight"].t()}
+
+
+def mixtral_state(tensors: Mapping, cfg: GPTConfig, where: str, experts: bool = True
+                  ) -> dict[str, torch.Tensor]:
+    """The GPT state dict (moescale names) of a Mixtral checkpoint's tensors; without the
+    stacked experts when `experts` is False (they are then read one by one: mixtral_expert)."""
     D, E, F = cfg.d_model, cfg.num_experts, cfg.d_ff
-    state = {"tok_emb.weight": tensors["model.embed_tokens.weight"],
-             "norm.weight": tensors["model.norm.weight"],
-             "lm_head.weight": tensors.get("lm_head.weight",
-                                           tensors["model.embed_tokens.weight"])}
     try:
+        state = {"tok_emb.weight": tensors["model.embed_tokens.weight"],
+                 "norm.weight": tensors["model.norm.weight"]}
+        state["lm_head.weight"] = tensors["lm_head.weight"] if "lm_head.weight" in tensors \
+            else state["tok_emb.weight"]
         for i in range(cfg.n_layers):
             b, layer = f"blocks.{i}", f"model.layers.{i}"
             att = f"{layer}.self_attn"
@@ -339,12 +385,39 @@ def import_mixtral(path: str | os.PathLike, device: str | torch.device = "cpu") 
             state[f"{b}.attn.proj.weight"] = tensors[f"{att}.o_proj.weight"]
             state[f"{b}.attn_norm.weight"] = tensors[f"{layer}.input_layernorm.weight"]
             state[f"{b}.ffn_norm.weight"] = tensors[f"{layer}.post_attention_layernorm.weight"]
-            router, w1, w3, w2 = _layer_experts(tensors, layer, E, F)
-            state.update({f"{b}.ffn.router.weight": router, f"{b}.ffn.experts.w1_EDF": w1,
-                          f"{b}.ffn.experts.w3_EDF": w3, f"{b}.ffn.experts.w2_EFD": w2})
+            gate = f"{layer}.mlp.gate.weight" if f"{layer}.mlp.gate.weight" in tensors \
+                else f"{layer}.block_sparse_moe.gate.weight"
+            state[f"{b}.ffn.router.weight"] = tensors[gate]
+            if experts:
+                _, w1, w3, w2 = _layer_experts(tensors, layer, E, F)
+                state.update({f"{b}.ffn.experts.w1_EDF": w1, f"{b}.ffn.experts.w3_EDF": w3,
+                              f"{b}.ffn.experts.w2_EFD": w2})
+            else:       # every expert's tensors are there (read later, one at a time)
+                for e in range(E):
+                    mixtral_expert_keys_present(tensors, i, e)
     except KeyError as err:
-        raise ValueError(f"{str(path)!r} lacks tensor {err.args[0]!r}; the checkpoint does not "
+        raise ValueError(f"{where!r} lacks tensor {err.args[0]!r}; the checkpoint does not "
                          f"match its config.json (hidden_size {D}, {E} experts)") from None
+    return state
+
+
+def mixtral_expert_keys_present(tensors: Mapping, layer: int, e: int) -> None:
+    """KeyError naming the first tensor of expert e of `layer` that the checkpoint lacks."""
+    base = f"model.layers.{layer}"
+    if f"{base}.mlp.experts.gate_up_proj" in tensors:
+        keys = [f"{base}.mlp.experts.down_proj"]
+    else:
+        keys = [f"{base}.block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w2", "w3")]
+    for key in keys:
+        if key not in tensors:
+            raise KeyError(key)
+
+
+def import_mixtral(path: str | os.PathLike, device: str | torch.device = "cpu") -> GPT:
+    """A moescale GPT (eval mode) holding the weights of a Mixtral checkpoint directory."""
+    config, tensors = open_mixtral(path)
+    cfg = gpt_config_of_mixtral(config)
+    state = mixtral_state(tensors, cfg, str(path))
     with torch.device("meta"):
         model = GPT(cfg)
     model.to_empty(device=device)

@@ -56,9 +56,17 @@ def _need(cond: bool, option: str, value, fix: str) -> None:
         raise ValueError(f"{option}={value!r} is invalid: {fix}")
 
 
+# The model options that may be given with model.hf: they change training, not the Mixtral
+# the run exports (top_k >= 2 is checked against the directory's config.json at start).
+HF_TUNABLE = ("top_k", "aux_loss_coef", "z_loss_coef", "dropout")
+
+
 @dataclass(kw_only=True)
 class ModelSection:
-    """The MoE GPT: a named size, and overrides of its fields (None: the size's value)."""
+    """The MoE GPT: a named size with overrides of its fields, or an HF MoE directory (hf).
+
+    Fields left None take the size's value; with `hf` the shape is the directory's config.json
+    (train/model.py) and only HF_TUNABLE fields may be given."""
 
     size: str = "tiny"
     n_layers: int | None = None
@@ -75,10 +83,15 @@ class ModelSection:
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
     dropout: float | None = None
+    hf: str | None = None       # a Hugging Face MoE checkpoint or config directory (Mixtral):
+                                # its config.json is the model, its weights (if any) the start;
+                                # the trained model is written back to <run_dir>/hf
 
     def __post_init__(self) -> None:
         _need(self.size in MODEL_SIZES, "model.size", self.size,
               f"choose one of {', '.join(MODEL_SIZES)}")
+        if self.hf is not None:
+            self._check_hf()
         for name in ("n_layers", "d_model", "n_heads", "d_ff", "num_experts", "top_k"):
             value = getattr(self, name)
             _need(value is None or value >= 1, f"model.{name}", value, "must be >= 1")
@@ -97,15 +110,30 @@ class ModelSection:
         _need(self.dropout is None or 0 <= self.dropout < 1, "model.dropout", self.dropout,
               "must lie in [0, 1)")
 
+    def _check_hf(self) -> None:
+        """model.hf takes the shape from the directory: only options that leave the model a
+        Mixtral (HF_TUNABLE) may be given with it."""
+        _need(bool(str(self.hf).strip()), "model.hf", self.hf,
+              "give an HF checkpoint or config directory (or leave model.hf unset)")
+        self.hf = str(Path(self.hf).expanduser().absolute())   # later runs read it from anywhere
+        _need(self.size == ModelSection.size, "model.size", self.size,
+              f"model.hf={self.hf!r} gives the model's shape; drop --model.size")
+        for name in self.shape_fields():
+            value = getattr(self, name)
+            _need(value is None or name in HF_TUNABLE, f"model.{name}", value,
+                  f"model.hf={self.hf!r} gives the model's shape (its config.json); drop "
+                  f"--model.{name} (with model.hf only {', '.join(HF_TUNABLE)} may be set)")
+
     @classmethod
     def shape_fields(cls) -> tuple[str, ...]:
-        """The model options (every field but size): GPTConfig fields of the same names."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "size")
+        """The model options that are GPTConfig fields of the same names (size and hf, which
+        pick where the shape comes from, excluded)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("size", "hf"))
 
     def overrides(self) -> dict:
-        """The fields set explicitly (not None), size excluded: passed to gpt_config."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "size" and getattr(self, f.name) is not None}
+        """The shape fields set explicitly (not None): passed to gpt_config."""
+        return {name: getattr(self, name) for name in self.shape_fields()
+                if getattr(self, name) is not None}
 
 
 @dataclass(kw_only=True)
@@ -371,7 +399,7 @@ def help_text(size_defaults: dict | None = None) -> str:
         for name, hint in _options(cls, section).items():
             default = getattr(getattr(defaults, section), name)
             shown = repr(default)
-            if default is None and section == "model":
+            if default is None and name in ModelSection.shape_fields() and section == "model":
                 shown = f"the size's ({ModelSection().size}: {size_defaults[name]!r})" \
                     if name in size_defaults else "the size's"
             option = f"--{section}.{name}"

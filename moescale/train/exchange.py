@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from moescale.layers.moe import MoE
-from moescale.models import gpt_config
 from moescale.offload.planner import fmt_bytes
 from moescale.parallel.choices import pipeline_choices
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
@@ -47,6 +46,7 @@ from moescale.parallel.nodes import node_layout
 from moescale.parallel.placement import PlacementConfig
 from moescale.parallel.setup import dispatcher_factory
 from moescale.train.config import RunConfig
+from moescale.train.model import model_config
 from moescale.train.ranks import check_rows, world_size_of_launch
 
 
@@ -145,7 +145,7 @@ class StaticExchange:
 
     def __init__(self, config: RunConfig, ranks) -> None:
         pc = config.parallel
-        experts = config.model.num_experts or gpt_config(config.model.size).num_experts
+        experts = model_config(config, 2).num_experts
         if experts % pc.ep_size:
             raise ValueError(f"parallel.ep_size={pc.ep_size} does not divide model.num_experts="
                              f"{experts}; choose num_experts as a multiple of ep_size")

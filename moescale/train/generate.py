@@ -5,7 +5,8 @@
 
 Loads the run with `moescale.load_run` (newest verified checkpoint, or `--step`; any
 residency or exchange the run trained with), encodes the prompt with the run's tokenizer
-(`data.tokenizer` when the run recorded one, else UTF-8 bytes), samples `--tokens` tokens
+(`data.tokenizer` when the run recorded one, else UTF-8 bytes; a larger vocabulary, model.hf or
+data.vocab_size, on byte text drops the ids past 255), samples `--tokens` tokens
 (temperature, top-k, seeded: the same seed prints the same text) and prints the continuation
 (the prompt is not repeated). Bad arguments raise ValueError, which `moescale` prints as one
 line with exit code 2.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -43,11 +45,22 @@ def parser() -> Parser:
     return p
 
 
+def byte_text(config) -> bool:
+    """Whether a run's ids are the bytes of its text: no data.tokenizer and text data, not
+    token .bin files (its model's vocabulary may still be larger: model.hf, data.vocab_size)."""
+    if config.data.tokenizer:
+        return False
+    paths = [Path(p.strip()).expanduser() for p in config.data.path.split(",") if p.strip()]
+    return not any(p.suffix == ".bin" or (p.is_dir() and next(p.rglob("*.bin"), None))
+                   for p in paths)
+
+
 def continuation(model, tokenizer, prompt: str, tokens: int, *, temperature: float,
-                 top_k: int, seed: int) -> str:
-    """The decoded text `model` appends to `prompt` (tokenizer None: UTF-8 bytes)."""
+                 top_k: int, seed: int, byte_ids: bool = False) -> str:
+    """The decoded text `model` appends to `prompt` (tokenizer None: UTF-8 bytes; byte_ids:
+    the run trained on bytes, ids past 255 of a larger vocabulary decode to nothing)."""
     vocab = model.config.vocab_size
-    if tokenizer is None and vocab != 256:
+    if tokenizer is None and vocab != 256 and not (byte_ids and vocab > 256):
         raise ValueError(f"this run's model has a vocabulary of {vocab} ids and its config "
                          "records no data.tokenizer, so text cannot be encoded; runs on token "
                          ".bin files need the tokenizer that made them (data.tokenizer)")
@@ -64,7 +77,7 @@ def continuation(model, tokenizer, prompt: str, tokens: int, *, temperature: flo
                          generator=gen)[0, len(ids):].tolist()
     if tokenizer is not None:
         return tokenizer.decode(out)
-    return bytes(out).decode("utf-8", errors="replace")
+    return bytes(i for i in out if i < 256).decode("utf-8", errors="replace")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, config = load_run(args.run_dir, step=args.step, device=resolve_device(args.device))
     text = continuation(model, run_tokenizer(config), args.prompt, args.tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                        byte_ids=byte_text(config))
     print(text)
     return 0

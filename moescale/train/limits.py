@@ -54,13 +54,10 @@ def _available_ram() -> int:
 def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
     """(parameters, bytes of parameter state held in RAM or on the device, activation bytes of
     one micro-batch): lower bounds, from the model built on the meta device."""
-    from moescale.models import GPT, gpt_config
+    from moescale.models import GPT
+    from moescale.train.model import model_config
 
-    try:
-        cfg = gpt_config(config.model.size, vocab_size=vocab_size,
-                         seq_len=config.train.seq_len, **config.model.overrides())
-    except ValueError as err:
-        raise ValueError(f"model: {err}") from None
+    cfg = model_config(config, vocab_size)
     with torch.device("meta"):
         count = GPT(cfg).num_parameters()
     expert = count.expert // max(1, config.parallel.ep_size)
@@ -69,7 +66,7 @@ def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
     state = STATE_BYTES * (count.total - count.expert + expert)
     B, S = config.train.batch_size, config.train.seq_len
     per_token = cfg.n_layers * (8 * cfg.d_model + cfg.n_heads * S + 2 * cfg.top_k * cfg.d_ff) \
-        + 2 * vocab_size
+        + 2 * cfg.vocab_size
     return count.total, state, ACT_BYTES * B * S * per_token
 
 
@@ -88,7 +85,7 @@ def check_memory(config: RunConfig, vocab_size: int, device: torch.device) -> No
                       ("n_layers", "d_model", "n_heads", "d_ff", "num_experts", "top_k")
                       if getattr(m, name) is not None)
     raise ValueError(
-        f"model {m.size!r}{f' ({shown})' if shown else ''}, vocabulary {vocab_size}, with "
+        f"model {m.hf or m.size!r}{f' ({shown})' if shown else ''}, vocabulary {vocab_size}, with "
         f"train.batch_size={t.batch_size} x train.seq_len={t.seq_len} needs at least "
         f"{fmt_bytes(need)} ({params:,} parameters: "
         f"{fmt_bytes(state)} of weights, gradients and AdamW state; {fmt_bytes(acts)} of "

@@ -4,7 +4,8 @@
     model, config = moescale.load_run(run_dir, step=250, device="cuda")
 
 The run's `config.toml` rebuilds the GPT (the size, the overrides the run resolved, the
-vocabulary from the checkpoint's embedding); the weights come from the newest checkpoint that
+vocabulary from the checkpoint's embedding; a `--model.hf` run's shape from model.hf's
+config.json, or the run's copy of it, hf_config.json); the weights come from the newest checkpoint that
 verifies (or checkpoint `step`): its dense half, then every expert from the per-rank expert
 shards (moescale.expert_state), whichever exchange and residency wrote them: one process or
 expert-parallel ranks, resident or offloaded (host tier, disk-tier records), dynamic placement's
@@ -35,7 +36,7 @@ from moescale.train.checkpoint import (checkpoint_path, list_checkpoints, load_c
                                        verified_checkpoints)
 from moescale.train.config import RunConfig, load_config, saved_tree
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
-from moescale.train.trainer import build_model
+from moescale.train.model import build_model
 
 
 def run_config(run_dir: str | Path) -> RunConfig:
@@ -47,10 +48,10 @@ def run_config(run_dir: str | Path) -> RunConfig:
     return load_config(None, None, base=saved_tree(run_dir, f"run directory {str(run_dir)!r}"))
 
 
-def _build(config: RunConfig, tensors: dict[str, torch.Tensor], device) -> GPT:
+def _build(config: RunConfig, tensors: dict[str, torch.Tensor], device, run_dir) -> GPT:
     vocab_size = tensors["model.tok_emb.weight"].shape[0]
-    with torch.device("meta"):
-        model = build_model(config, vocab_size)
+    with torch.device("meta"):      # model.hf: its config.json, or the run's copy of it
+        model = build_model(config, vocab_size, run_dir=run_dir)
     model.to_empty(device=device)
     if model.config.tie_embeddings:          # to_empty gives each name its own tensor
         model.lm_head.weight = model.tok_emb.weight
@@ -87,12 +88,12 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.d
             raise ValueError(f"step={step}: {str(run_dir)!r} has checkpoints of steps "
                              f"{[s for s, _ in found]}; pick one of them")
         tensors, state = load_checkpoint(checkpoint_path(ckpt_dir, step))
-        model = _build(config, tensors, device)
+        model = _build(config, tensors, device, run_dir)
         _fill(model, ckpt_dir, tensors, state)
         return model.eval(), config
     warn = lambda m: print(m, file=sys.stderr)   # noqa: E731
     for path, tensors, state in verified_checkpoints(ckpt_dir, warn):
-        model = _build(config, tensors, device)
+        model = _build(config, tensors, device, run_dir)
         try:
             _fill(model, ckpt_dir, tensors, state)
         except StoreCheckpointError as err:

@@ -107,8 +107,8 @@ class Offloaded:
                 self.disk_dir.mkdir(parents=True, exist_ok=True)
             changes["directory"] = str(self.disk_dir)
         if oc.tier == "disk" and oc.host_cache_bytes is None:
-            record = max(16 * sum(p.numel() for p in m.experts.parameters()) //
-                         _local_experts(m) for m in _moes(model))
+            record = max(4 * align_up(4 * sum(p.numel() for p in m.experts.parameters()) //
+                                      _local_experts(m)) for m in _moes(model))   # as stored
             total = sum(16 * sum(p.numel() for p in m.experts.parameters())
                         for m in _moes(model))
             changes["host_cache_bytes"] = default_host_cache(record, total)

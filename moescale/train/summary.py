@@ -150,7 +150,7 @@ def print_summary(trainer, s: dict) -> None:
     lines = [
         f"run dir:      {trainer.run_dir}",
         f"data:         {trainer.data.description}",
-        f"model:        {cfg.model.size}, {trainer.params.total:,} parameters "
+        f"model:        {cfg.model.hf or cfg.model.size}, {trainer.params.total:,} parameters "
         f"({trainer.params.active:,} active per token), {len(trainer.moe_layers)} MoE layers x "
         f"{model.num_experts} experts top-{model.top_k}",
         f"steps:        {s['step']}/{s['steps']}",

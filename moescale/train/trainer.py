@@ -50,9 +50,9 @@ from pathlib import Path
 import tomli_w
 import torch
 
-from moescale.atomic import atomic_write_text
+from moescale.atomic import atomic_write_json, atomic_write_text
 from moescale.layers.moe import MoE
-from moescale.models import GPT, gpt_config
+from moescale.models import GPT
 from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.offload.planner import fmt_bytes
 from moescale.train.assembly import assemble, check_parts
@@ -62,6 +62,7 @@ from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_ch
 from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
+from moescale.train import model as run_model
 from moescale.train.limits import check_budget, check_memory, check_run_dir, check_threads
 from moescale.train.metrics import MetricsLog
 from moescale.train.optim import build_optimizer, lr_at, set_lr
@@ -78,17 +79,6 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"train.device={name!r} but no CUDA device is available; use cpu or "
                          "auto")
     return torch.device(name)
-
-
-def build_model(config: RunConfig, vocab_size: int, expert_device=None) -> GPT:
-    """The GPT MoE of `config.model` for this vocabulary and sequence length (its stacked
-    experts on `expert_device` when given: "meta" for experts that go straight to disk)."""
-    try:
-        model_cfg = gpt_config(config.model.size, vocab_size=vocab_size,
-                               seq_len=config.train.seq_len, **config.model.overrides())
-    except ValueError as err:
-        raise ValueError(f"model: {err}") from None
-    return GPT(model_cfg, expert_device=expert_device)
 
 
 def _expert_counts(model: GPT) -> list[torch.Tensor]:
@@ -135,10 +125,15 @@ class Trainer:
         if tc.threads == 0:
             tc.threads, self.threads_note = auto_threads(self.ranks.world_size)
         self.device = resolve_device(tc.device)
+        if not resume:      # resumed: the run's recorded tokenizer, the checkpoint's weights
+            run_model.adopt_tokenizer(config, self.err)
         self.data = load_data(config.data, DEFAULT_CACHE_DIR)
         check_memory(config, self.data.vocab_size, self.device)
         torch.manual_seed(tc.seed)
-        self.model = build_model(config, self.data.vocab_size, self.parts.expert_device())
+        self.model = run_model.build_model(config, self.data.vocab_size,
+                                           self.parts.expert_device(), self.run_dir)
+        if config.model.hf is not None and not resume:
+            print(run_model.load_hf_weights(self.model, config), file=self.err)
         if self.parts.expert_device() is None:   # else: moved once the experts are out
             self.model.to(self.device)
         self.params = self.model.num_parameters()
@@ -192,8 +187,11 @@ class Trainer:
         config object is left as given."""
         tree = to_dict(self.config)
         mc = self.model.config
-        tree["model"].update({name: getattr(mc, name) for name in ModelSection.shape_fields()
-                              if getattr(mc, name) is not None})
+        if self.config.model.hf is None:     # else: the shape is model.hf's (a copy here)
+            tree["model"].update({name: getattr(mc, name) for name in
+                                  ModelSection.shape_fields() if getattr(mc, name) is not None})
+        else:
+            run_model.write_config_copy(self.run_dir, self.config)
         tree["train"]["run_dir"] = str(self.run_dir)
         text = "# resolved configuration of this run (moescale train --config this file)\n"
         text += tomli_w.dumps(tree)
@@ -420,6 +418,8 @@ class Trainer:
         if self.writer:
             self.summary = summarise(self, train_time, train_tokens,
                                      time.perf_counter() - start, last_ckpt, sample, memory)
+            if self.config.model.hf is not None and self.step == tc.steps:
+                self._export_hf()     # after the summary: its peak memory is training's
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
                   f"continue with: moescale train --resume {self.run_dir}", file=self.out)
@@ -427,6 +427,13 @@ class Trainer:
         return 0
 
     # -- end of run ----------------------------------------------------------------------
+    def _export_hf(self) -> None:
+        """model.hf runs: the final checkpoint in HF format, RUN_DIR/hf, noted in summary.json."""
+        self.summary["hf_export"] = str(run_model.export_run(self.run_dir))
+        atomic_write_json(self.run_dir / "summary.json", self.summary)
+        print(f"hf export:    {self.summary['hf_export']} (transformers: "
+              "MixtralForCausalLM.from_pretrained)", file=self.out)
+
     def sample(self, prompt: str = "def ", temperature: float = 0.8) -> str:
         n = self.config.train.sample_tokens
         if n == 0:
