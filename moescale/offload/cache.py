@@ -4,7 +4,23 @@
 the copy of expert i+1 (and further, up to `lookahead`) is uploaded while expert i computes, as
 far as the device budget allows (an upload that does not fit is simply issued later, when the
 previous expert's slot is freed: look-ahead degrades, the budget is never exceeded). A slot is
-freed as soon as the caller moves on to the next expert, unless the expert is pinned.
+freed as soon as the caller moves on to the next expert, unless the expert is pinned or
+retained.
+
+Retention (a chunked walk, chunked.py, holds each expert once per chunk, in snake order):
+when the caller moves past an expert that `order` holds again later, its copy stays on the
+device and that later position uses it with no upload (`num_reused`; the disk tier's schedule
+is told the read will not happen, `ExpertStore.skip_access`). Retained copies are only ever
+taking room nothing else wants: before a look-ahead upload that does not fit, those used after
+the look-ahead's target are dropped, the one used last first (Belady); before a blocking
+upload, and before yielding an expert in a walk with `headroom` (the gradient's room), as many
+as it takes for the reservation to succeed without waiting on them; at the walk's end all of
+them. So the budget is never exceeded, look-ahead is never traded for retention, and no
+blocking reservation waits on a copy only the walk itself could free. A retained copy is used
+only if its master has not moved on since (`_current`: the version the copy was made of, no
+step queued); within a walk nothing steps an expert before its last position (forward: none;
+eager backward: at its last chunk), so this check only guards the invariant. The numbers do
+not change: a reused copy is the upload it replaces.
 
 Pinning (ES-MoE pins the hottest 25%): `observe(layer, counts)` keeps an EMA of each expert's
 token count; `repin()` (once per iteration) keeps the `pin_fraction` hottest experts of each
@@ -27,6 +43,7 @@ Legend: P parameters of one expert.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,6 +70,15 @@ class _Entry:
         return self.tensor_P
 
 
+def _next_uses(keys: list) -> list[float]:
+    """For each position of keys, the next position holding the same key (inf if none)."""
+    out, seen = [math.inf] * len(keys), {}
+    for i in range(len(keys) - 1, -1, -1):
+        out[i] = seen.get(keys[i], math.inf)
+        seen[keys[i]] = i
+    return out
+
+
 class DeviceCache:
     """Rotating + pinned expert copies on `device`, fetched from `store`."""
 
@@ -69,6 +95,8 @@ class DeviceCache:
         self.ema: dict[Key, float] = {}
         self.num_uploads = 0
         self.num_lookahead = 0
+        self.num_reused = 0       # walk positions served by a retained copy (no upload)
+        self.retain = True        # False: every copy freed when the caller moves on (tests)
         self._walk_reads: dict[int, float] = {}   # per thread: its store reads inside walks
         self._taken = 0.0         # wait_seconds at the last take_wait_s()
 
@@ -117,15 +145,19 @@ class DeviceCache:
         transfer = self.device.upload_from(prepare, self.dtype)
         return _Entry(key, reservation, transfer, version_box)
 
+    def _current(self, entry: _Entry) -> bool:
+        """Whether a finished copy is of the master as it is now (its version has not moved on
+        and no step of it is queued or running)."""
+        fence = self.optimizer.step_fence(entry.key)
+        return entry.version_box[0] == self.store.versions[entry.key] and \
+            (fence is None or fence.done())
+
     def _valid_pinned(self, key: Key) -> _Entry | None:
         entry = self._pinned.get(key)
         if entry is None:
             return None
         entry.wait()
-        fence = self.optimizer.step_fence(key)
-        if entry.version_box[0] == self.store.versions[key] and (fence is None or fence.done()):
-            return entry
-        return None
+        return entry if self._current(entry) else None
 
     def _refresh_pinned(self, key: Key) -> _Entry:
         """Re-upload a stale pinned expert into its existing reservation."""
@@ -145,18 +177,63 @@ class DeviceCache:
         """Yield (expert, weights_P) for each expert of `order`, uploads overlapped. A
         look-ahead upload is issued only if it leaves `headroom` bytes free (backward keeps
         room for the current expert's gradient and sets whole_record: the disk tier then
-        caches the record the gradient goes to, instead of reading the master twice)."""
+        caches the record the gradient goes to, instead of reading the master twice). An
+        expert that `order` holds again later keeps its copy while the budget allows
+        (retention, see the module docstring)."""
         order = list(order)
-        pending: deque[tuple[int, _Entry]] = deque()
+        keys = [(layer, e) for e in order]
+        later = _next_uses(keys)
+        device = self.device
+        pending: deque[tuple[int, _Entry]] = deque()      # (position in order, its copy)
+        kept: dict[Key, tuple[float, _Entry]] = {}         # retained: (next use, copy)
         nxt = 0
+
+        def drop(key: Key) -> None:
+            entry = kept.pop(key)[1]
+            entry.tensor_P = None
+            entry.reservation.release()
+
+        def room(nbytes: int, before: float, now: bool) -> bool:
+            """Drop retained copies, the one used last first and none used at `before` or
+            earlier, until nbytes fit now (now=False: once other threads' async reservations
+            are released, so that a blocking reservation never waits on a retained copy);
+            False, dropping none, if they cannot."""
+            fits = device.fits if now else device.fits_eventually
+            victims, freed = [], 0
+            for key in sorted(kept, key=lambda k: -kept[k][0]):
+                if fits(nbytes - freed) or kept[key][0] <= before:
+                    break
+                victims.append(key)
+                freed += kept[key][1].reservation.nbytes
+            if not fits(nbytes - freed):
+                return False
+            for key in victims:
+                drop(key)
+            return True
 
         def issue():
             nonlocal nxt
             while nxt < len(order) and len(pending) < 1 + self.lookahead:
-                key = (layer, order[nxt])
+                key = keys[nxt]
                 if key in self._pinned:
                     entry = self._valid_pinned(key) or self._refresh_pinned(key)
+                elif any(keys[p] == key for p, _ in pending):
+                    return   # in use: retained (then reused) once the caller moves past it
+                elif key in kept and self._current(kept[key][1]):
+                    self.num_reused += 1
+                    self.store.skip_access(key)      # the master is not read for this one
+                    pending.append((nxt, kept.pop(key)[1]))
+                    nxt += 1
+                    continue
                 else:
+                    if key in kept:
+                        drop(key)     # never reached (no step within a walk): stay correct
+                    need = self.expert_bytes(layer) + headroom
+                    if pending and not room(need, nxt, now=True):
+                        return
+                    if not pending and not room(need, -1, now=False):
+                        for k in list(kept):
+                            drop(k)
                     entry = self._start(key, block=not pending,
                                         headroom=headroom if pending else 0,
                                         whole_record=whole_record)
@@ -164,28 +241,42 @@ class DeviceCache:
                         return
                 if pending:
                     self.num_lookahead += 1  # issued while an earlier expert is computing
-                pending.append((order[nxt], entry))
+                pending.append((nxt, entry))
                 nxt += 1
 
-        device, reads, me = self.device, self.store.thread_read_wait_s, threading.get_ident()
+        reads, me = self.store.thread_read_wait_s, threading.get_ident()
         stall, read0 = device.stall_begin(), reads()   # compute needs order[0] from now on
-        issue()
-        while pending:
-            e, entry = pending[0]
-            weights_P = entry.wait()
-            device.stall_end(stall)
-            if reads() != read0:     # CUDA: prepare() read on this thread, in the stall
-                self._walk_reads[me] = self._walk_reads.get(me, 0.0) + reads() - read0
-            try:
-                yield e, weights_P
-            finally:
-                pending.popleft()
-                if not entry.pinned:
-                    entry.tensor_P = None
-                    entry.reservation.release()
-            del weights_P
-            stall, read0 = device.stall_begin(), reads()   # the caller's compute is queued
+        try:
             issue()
+            while pending:
+                pos, entry = pending[0]
+                if headroom and not room(headroom, -1, now=False):   # the gradient's room
+                    for k in list(kept):
+                        drop(k)
+                weights_P = entry.wait()
+                device.stall_end(stall)
+                if reads() != read0:     # CUDA: prepare() read on this thread, in the stall
+                    self._walk_reads[me] = self._walk_reads.get(me, 0.0) + reads() - read0
+                try:
+                    yield order[pos], weights_P
+                finally:
+                    pending.popleft()
+                    if entry.pinned:
+                        pass
+                    elif later[pos] < math.inf and self.retain:
+                        kept[keys[pos]] = (later[pos], entry)   # used again: retain
+                    else:
+                        entry.tensor_P = None
+                        entry.reservation.release()
+                del weights_P
+                stall, read0 = device.stall_begin(), reads()   # the caller's compute is queued
+                issue()
+        finally:
+            for key in list(kept):
+                drop(key)
+            for _, entry in pending:    # a walk closed early: its look-ahead copies
+                if not entry.pinned:
+                    entry.reservation.release()
 
     # ----------------------------------------------------------------- hot experts
     def observe(self, layer: int, counts) -> None:

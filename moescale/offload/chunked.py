@@ -7,15 +7,18 @@ per-expert row counts known up front:
 
 - forward: ONE device-cache walk spans all chunks (chunk 0's experts, then chunk 1's, ...), so
   the first expert of chunk k+1 uploads while the last expert of chunk k computes, and chunk
-  k+1's rows travel meanwhile (the pipeline's exchanges). Each (chunk, expert) keeps what the
-  activation policy asks (keep / recompute / offload) when the pipeline's strategy keeps the
-  hidden (`keep`), nothing otherwise (backward recomputes it).
+  k+1's rows travel meanwhile (the pipeline's exchanges). The chunks go in snake order (odd
+  ones descending, engine.chunk_orders): chunk k+1 starts with the experts chunk k ended
+  with, whose copies the walk retained, so they are not uploaded again (cache.py). Each
+  (chunk, expert) keeps what the activation policy asks (keep / recompute / offload) when the
+  pipeline's strategy keeps the hidden (`keep`), nothing otherwise (backward recomputes it).
 - backward: one walk over the chunks' backward orders (pinned experts first, then each
-  chunk's experts in reverse), each expert re-fetched with room for its gradient, dX, d(score)
-  and dW computed, dW handed to the host optimizer. An expert appears in several chunks: its
-  gradients accumulate in the store over the chunks (and micro-batches), and in eager mode it
-  steps only with the gradient of its LAST chunk of the last micro-batch (`last_chunk`), so no
-  chunk ever reads a stepped master within the step.
+  chunk's experts in reverse: snake order again), each expert re-fetched (or its retained
+  copy reused) with room for its gradient, dX, d(score) and dW computed, dW handed to the
+  host optimizer. An expert appears in several chunks: its gradients accumulate in the store
+  over the chunks (and micro-batches), and in eager mode it steps only with the gradient of
+  its LAST chunk of the last micro-batch (`last_chunk`), so no chunk ever reads a stepped
+  master within the step.
 - gradient scale: the exchange's 1/W enters through the score (scale_N * grad_scale), so the
   store receives dW at the mean scale and d(score) = <g, y> is untouched; dX is divided by
   grad_scale again (exact for W a power of two, as the unpipelined exchange's scaling).

@@ -78,6 +78,7 @@ class OffloadEngine:
         self._grad_coef: float | None = None
         self.moved = MovedParameters()    # what offload_moe took out (usage_checks.py)
         self._awaiting_step = False       # a last micro-batch's backward ran, no step() yet
+        self.snake = True                 # chunk_orders' snake order (False: ascending, tests)
 
     # ----------------------------------------------------------------- setup
     def add(self, experts: GroupedExperts, expert_init=None) -> OffloadedGroupedExperts:
@@ -140,10 +141,13 @@ class OffloadEngine:
     def chunk_orders(self, layer: int, chunk_counts, traced: bool) -> list[list[int]]:
         """forward_order of a call cut into chunks (a pipelined exchange runs chunk k's rows
         of every expert, k = 0..C-1): each chunk's order; the trace and the disk tier's
-        schedule see the chunks one after another."""
+        schedule see the chunks one after another. Snake order: odd chunks take their
+        experts in descending order (pinned ones still first), so chunk k+1 starts with the
+        experts chunk k ended with and the device cache's walk reuses their copies instead
+        of uploading them again (cache.py, retention)."""
         orders = []
-        for counts in chunk_counts:
-            order = [e for e, n in enumerate(counts) if n]
+        for k, counts in enumerate(chunk_counts):
+            order = [e for e, n in enumerate(counts) if n][::-1 if k % 2 and self.snake else 1]
             order.sort(key=lambda e: not self.cache.is_resident((layer, e)))  # pinned first
             orders.append(order)
         flat = [e for order in orders for e in order]
@@ -163,8 +167,10 @@ class OffloadEngine:
     def chunk_backward_orders(self, layer: int, orders: list[list[int]], last: bool,
                               last_chunk: dict[int, int]) -> list[list[int]]:
         """The backward's order per chunk (chunks in the given order; within one, pinned
-        experts first, then the others in reverse). last_chunk[e]: the chunk whose backward
-        steps expert e in eager mode (default: every chunk, i.e. the only one)."""
+        experts first, then the others in reverse: snake order again, from the forward's).
+        last_chunk[e]: the chunk whose backward steps expert e in eager mode (default: every
+        chunk, i.e. the only one); it is e's last chunk, so no later position of the walk
+        sees a stepped master."""
         self._awaiting_step = self._awaiting_step or last
         for i in range(len(self._trace) - 1, -1, -1):
             if self._trace[i][0] == layer:
