@@ -1,8 +1,8 @@
 """A GPT-style decoder-only language model whose feed-forward blocks are moescale MoE layers.
 
 Architecture (pre-norm): token embedding -> n_layers x [RMSNorm -> causal self-attention with
-rotary position embeddings (through `F.scaled_dot_product_attention(is_causal=True)`) ->
-residual; RMSNorm -> FFN -> residual] -> final RMSNorm -> LM head (optionally tied to the
+rotary position embeddings (through `F.scaled_dot_product_attention(is_causal=True)`;
+multi-head, or grouped-query with `n_kv_heads` < n_heads, as Mixtral's) -> residual; RMSNorm -> FFN -> residual] -> final RMSNorm -> LM head (optionally tied to the
 embedding). The FFN of layer i is an `moescale.MoE` when `config.is_moe_layer(i)` (every layer
 for `moe_every=1`, every other layer for `moe_every=2`, layers 1, 3, 5, ... as in GShard and
 Switch) and a dense FFN of the same shape otherwise.
@@ -49,6 +49,7 @@ class GPTConfig:
     n_layers: int = 4
     d_model: int = 128
     n_heads: int = 4
+    n_kv_heads: int | None = None     # grouped-query attention (None: n_heads, multi-head)
     d_ff: int | None = None
     num_experts: int = 8
     top_k: int = 2
@@ -77,6 +78,12 @@ class GPTConfig:
         if not isinstance(self.d_ff, int) or self.d_ff < 1:
             raise ValueError(f"d_ff={self.d_ff!r} must be a positive integer or None "
                              "(None means 4 * d_model)")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 \
+                or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads!r} must be a positive integer "
+                             f"dividing n_heads={self.n_heads} (None: n_heads)")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads="
                              f"{self.n_heads}; pick n_heads dividing d_model")
@@ -143,14 +150,23 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.dropout = cfg.n_heads, cfg.head_dim, cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.n_kv_heads = cfg.n_kv_heads
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim,
+                             bias=cfg.bias)       # rows: q (H heads), k, v (n_kv_heads each)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x_BSD: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor
                 ) -> torch.Tensor:
         B, S, D = x_BSD.shape
-        qkv = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q_BHSK, k_BHSK, v_BHSK = qkv.unbind(0)
+        H, G, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if G == H:
+            qkv = self.qkv(x_BSD).view(B, S, 3, H, Dh).permute(2, 0, 3, 1, 4)
+            q_BHSK, k_BHSK, v_BHSK = qkv.unbind(0)
+        else:        # grouped-query: query head h reads key/value head h // (H / G)
+            q, k, v = self.qkv(x_BSD).split([H * Dh, G * Dh, G * Dh], dim=-1)
+            q_BHSK = q.view(B, S, H, Dh).transpose(1, 2)
+            k_BHSK, v_BHSK = (t.view(B, S, G, Dh).transpose(1, 2).repeat_interleave(H // G, 1)
+                              for t in (k, v))
         q_BHSK = apply_rotary(q_BHSK, cos_SR, sin_SR)
         k_BHSK = apply_rotary(k_BHSK, cos_SR, sin_SR)
         o_BHSK = F.scaled_dot_product_attention(

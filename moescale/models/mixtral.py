@@ -14,8 +14,8 @@ computes the exported model's logits. It takes
   field and the fix. Our rotary embedding rotates the pairs (x[r], x[r + Dh/2]) by
   theta^(-2r/Dh) per position: HF's `rotate_half` convention, so q and k copy unchanged;
   `rope_theta`, `norm_eps` (rms_norm_eps) and `tie_embeddings` (tie_word_embeddings) are
-  carried; `seq_len` becomes max_position_embeddings; attention is multi-head
-  (num_key_value_heads = n_heads); the fused qkv projection is split into q/k/v rows.
+  carried; `seq_len` becomes max_position_embeddings; `n_kv_heads` is num_key_value_heads
+  (grouped-query attention); the fused qkv projection is split into q/k/v rows.
 - a Llama or Mistral transformers model converted by `moescale.moefy` with every MLP an MoE of
   GLU experts (the same router conditions): the attention, norms and embeddings keep their names,
   the config carries over (rope_parameters, GQA heads, head_dim, sliding_window, token ids).
@@ -26,8 +26,8 @@ carries `aux_loss_coef` as `moescale.models.from_hf` reads it back.
 
 `import_mixtral(path)` reads such a directory (this layout, or transformers 5's stacked
 `mlp.experts.gate_up_proj` / `down_proj` names, one file or an index of shards) into a moescale
-GPT when the Mixtral config has a GPT equivalent (num_key_value_heads = num_attention_heads,
-head_dim = hidden_size / heads, default rope, no sliding window, no router jitter).
+GPT when the Mixtral config has a GPT equivalent (head_dim = hidden_size / heads, default
+rope, no sliding window, no router jitter; grouped-query heads carry over).
 `open_mixtral(path)` gives the config and the tensors read on demand (`LazyTensors`);
 `mixtral_state` maps them to GPT names (optionally without the experts) and `mixtral_expert`
 reads one expert, which is how `moescale train --model.hf` fills disk-tier experts one at a time.
@@ -138,7 +138,7 @@ def gpt_to_mixtral(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = model.config
     check_gpt(cfg)
     state = consolidated_state_dict(model)
-    D, E = cfg.d_model, cfg.num_experts
+    D, E, KV = cfg.d_model, cfg.num_experts, cfg.n_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": state["tok_emb.weight"],
            "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
@@ -147,8 +147,8 @@ def gpt_to_mixtral(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
         b, layer = f"blocks.{i}", f"model.layers.{i}"
         qkv = state[f"{b}.attn.qkv.weight"]
         out.update({f"{layer}.self_attn.q_proj.weight": qkv[:D],
-                    f"{layer}.self_attn.k_proj.weight": qkv[D:2 * D],
-                    f"{layer}.self_attn.v_proj.weight": qkv[2 * D:],
+                    f"{layer}.self_attn.k_proj.weight": qkv[D:D + KV],
+                    f"{layer}.self_attn.v_proj.weight": qkv[D + KV:],
                     f"{layer}.self_attn.o_proj.weight": state[f"{b}.attn.proj.weight"],
                     f"{layer}.input_layernorm.weight": state[f"{b}.attn_norm.weight"],
                     f"{layer}.post_attention_layernorm.weight": state[f"{b}.ffn_norm.weight"]})
@@ -159,7 +159,7 @@ def gpt_to_mixtral(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
     config = dict(
         vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads, head_dim=cfg.head_dim,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
@@ -309,9 +309,7 @@ def gpt_config_of_mixtral(config: dict) -> GPTConfig:
     heads, D = config["num_attention_heads"], config["hidden_size"]
     rope = config.get("rope_parameters") or {"rope_type": "default",
                                              "rope_theta": config.get("rope_theta", 1e6)}
-    checks = [("num_key_value_heads", config.get("num_key_value_heads", heads), heads,
-               "moescale's GPT has no grouped-query attention"),
-              ("head_dim", config.get("head_dim") or D // heads, D // heads,
+    checks = [("head_dim", config.get("head_dim") or D // heads, D // heads,
                "moescale's GPT uses head_dim = hidden_size / num_attention_heads"),
               ("rope_parameters.rope_type", rope.get("rope_type", "default"), "default",
                "moescale's GPT has plain rotary embeddings"),
@@ -330,6 +328,7 @@ def gpt_config_of_mixtral(config: dict) -> GPTConfig:
     return GPTConfig(
         vocab_size=config["vocab_size"], seq_len=config["max_position_embeddings"],
         n_layers=config["num_hidden_layers"], d_model=D, n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads,
         d_ff=config["intermediate_size"], num_experts=config["num_local_experts"],
         top_k=config["num_experts_per_tok"], router="topk", glu=True,
         activation=OUR_ACTIVATION[act], moe_every=1,

@@ -2,8 +2,9 @@
 a moescale GPT of a Mixtral shape and a moefied Llama are written as Mixtral checkpoint
 directories that transformers' own MixtralForCausalLM.from_pretrained loads with every weight
 (no missing or unexpected keys) and the same logits (fp32, max difference <= 1e-5 of the
-logits' scale); import_mixtral reads them, and transformers' save_pretrained output, back into
-a GPT exactly; shapes without a Mixtral equivalent are refused with the field named."""
+logits' scale; grouped-query attention included); import_mixtral reads them, and transformers'
+save_pretrained output (multi-head, grouped-query, multi-query), back into a GPT exactly;
+shapes without a Mixtral equivalent are refused with the field named."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def assert_logits_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5
 
 
 @pytest.mark.parametrize("kw", [dict(tie_embeddings=True), dict(tie_embeddings=False),
-                                dict(activation="gelu", top_k=3, tie_embeddings=False)],
-                         ids=["tied", "untied", "gelu-top3"])
+                                dict(activation="gelu", top_k=3, tie_embeddings=False),
+                                dict(n_kv_heads=2, tie_embeddings=False)],
+                         ids=["tied", "untied", "gelu-top3", "gqa"])
 def test_gpt_exports_to_mixtral_with_equal_logits_and_imports_back(kw, tmp_path):
     model = gpt(**kw)
     out = export_mixtral(model, tmp_path / "mixtral")
@@ -58,6 +60,7 @@ def test_gpt_exports_to_mixtral_with_equal_logits_and_imports_back(kw, tmp_path)
     hf = load_hf(out)
     assert hf.config.tie_word_embeddings == model.config.tie_embeddings
     assert hf.config.rms_norm_eps == 1e-6
+    assert hf.config.num_key_value_heads == model.config.n_kv_heads
     idx = torch.randint(**IDX, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(idx)[0]
@@ -67,15 +70,17 @@ def test_gpt_exports_to_mixtral_with_equal_logits_and_imports_back(kw, tmp_path)
         assert torch.equal(back(idx)[0], want)
 
 
-def test_import_reads_transformers_own_mixtral_checkpoint(tmp_path):
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_import_reads_transformers_own_mixtral_checkpoint(kv_heads, tmp_path):
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24,
                                      num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=4, num_local_experts=4,
+                                     num_key_value_heads=kv_heads, num_local_experts=4,
                                      max_position_embeddings=32, tie_word_embeddings=False)
     hf = transformers.MixtralForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
     model = import_mixtral(tmp_path / "hf")
+    assert model.config.n_kv_heads == kv_heads
     idx = torch.randint(**IDX, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert_logits_close(model(idx)[0], hf(idx).logits)
@@ -99,10 +104,11 @@ def test_export_never_overwrites_and_import_refuses_what_gpt_cannot_compute(tmp_
         export_mixtral(gpt(), tmp_path / "full")
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24,
                                      num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=4)
-    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "gqa")
-    with pytest.raises(ValueError, match="num_key_value_heads=2"):
-        import_mixtral(tmp_path / "gqa")
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     sliding_window=16)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "window")
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        import_mixtral(tmp_path / "window")
     with pytest.raises(ValueError, match="no config.json"):
         import_mixtral(tmp_path / "full")
 

@@ -1,5 +1,5 @@
 """`moescale train --model.hf DIR` on a tiny random Mixtral that transformers saved (nothing
-downloaded): the run starts from the checkpoint's exact weights (its first-step loss is
+downloaded; grouped-query attention, 4 query heads on 2 key/value heads, as the published ones): the run starts from the checkpoint's exact weights (its first-step loss is
 transformers' loss on the same batch), trains with disk-offloaded experts (`offload.mode`, the
 old name of offload.tier), writes RUN_DIR/hf, which MixtralForCausalLM.from_pretrained loads with
 the logits of `moescale.load_run(RUN_DIR)`; load_run, generate, export and --resume work on such
@@ -25,7 +25,7 @@ from train_helpers import TINY, as_argv
 transformers = pytest.importorskip("transformers")
 
 SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
              num_experts_per_tok=2, max_position_embeddings=64)
 # the run's options: TINY's loop settings, no model shape (model.hf gives it)
 LOOP = {k: v for k, v in TINY.items() if not k.startswith("model.")}
