@@ -15,6 +15,9 @@ Legend: T tokens, D model width, E experts, K experts per token.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from moescale.layers.reference import ReferenceMoE
+from moescale.shared_store.node_store import DIRECTORY_VARIABLE
 
 # Tolerances relative to the reference's scale (max |value|).
 FP32_RTOL = 1e-5
@@ -165,10 +169,12 @@ def moe_helpers() -> type[Helpers]:
 # report). Python has one fork server per process, started with the preload list of whoever
 # starts it first, and run_local (torch only) would otherwise start it before the fault tests'
 # Launcher: then each of their ~40 trainer processes imported these itself (the kill loop took
-# 31 s in the whole suite, 5 s alone).
+# 31 s in the whole suite, 5 s alone). The doc blocks' `moescale` commands and scripts are forked
+# from it too (tests/docs/warm_runner.py).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "moescale.train.trainer", "torch._dynamo",
-                      "matplotlib.pyplot"]
-SPAWNING_DIRS = ("parallel/", "faults/", "train/", "bench/", "expert_state/", "offload/")
+                      "matplotlib.pyplot", "moescale.cli"]
+SPAWNING_DIRS = ("parallel/", "faults/", "train/", "bench/", "expert_state/", "offload/",
+                 "docs/")
 
 
 def pytest_collection_finish(session):
@@ -196,3 +202,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("::")[0].removeprefix("tests/") in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+
+
+SHM_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Give this test process (each xdist worker, or the one pytest process) its own tmpfs
+    directory for the node stores of dynamic placement ($MOESCALE_SHM_DIR, inherited by every
+    process a test starts): the tests that check a run left no store file behind list that
+    directory, which no concurrently running test (another worker, another checkout) writes."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    directory = tempfile.mkdtemp(prefix=f"moescale-tests-{worker}-", dir="/dev/shm")
+    config.stash[SHM_DIR] = directory
+    os.environ[DIRECTORY_VARIABLE] = directory
+
+
+def pytest_unconfigure(config):
+    directory = config.stash.get(SHM_DIR, None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.pop(DIRECTORY_VARIABLE, None)

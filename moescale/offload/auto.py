@@ -5,7 +5,8 @@ hidden width, expert count, top-k, GLU, dense parameter count, compute dtype, th
 `tokens_per_micro_batch`), takes the budgets from the config (device: required; host: the
 config's `host_budget_bytes` or the memory available now; disk: the free space of
 `directory`, 0 without one), the rates measured on this machine at the model's sizes
-(`rates="measure"`: medians of warm timings; the disk probed under `directory` only) or
+(`rates="measure"`: medians of warm timings, a quicker probe than `moescale plan`'s; the disk
+probed under `directory` only) or
 ES-MoE's A100 node (`rates="a100"`), and maps the planner's pick onto a concrete config:
 
     device -> host tier with every expert pinned on the device (pin_fraction=1.0)
@@ -28,6 +29,12 @@ from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE
 from moescale.offload.planner import A100_NODE, Budgets, ModelSpec, plan
 from moescale.offload.rates import measure_rates
+
+
+# The start of a run measures less than `moescale plan` (1 GiB disk passes, 2 + 5 rounds: about
+# 14 GiB written and 18 s here): 256 MiB passes, 1 + 3 rounds (3 GiB, 2-3 s). Enough to
+# pick a mode; a virtual disk's host cache may flatter the disk reads of so small a probe.
+QUICK_PROBE = dict(runs=3, warmup=1, disk_file_bytes=256 << 20)
 
 
 def model_spec(model: nn.Module, tokens: int, dtype: str) -> ModelSpec:
@@ -54,7 +61,8 @@ def resolve_auto(model: nn.Module, config):
     budgets = Budgets(device_bytes=config.device_budget_bytes, host_bytes=host,
                       disk_bytes=disk, host_cache_bytes=config.host_cache_bytes)
     rates = measure_rates(config.directory, disk=config.directory is not None,
-                          **spec.probe_sizes()) if config.rates == "measure" else A100_NODE
+                          **QUICK_PROBE, **spec.probe_sizes()) \
+        if config.rates == "measure" else A100_NODE
     estimates, pick = plan(spec, budgets, rates, step_mode=config.step_mode,
                            pin_fraction=0.25, lookahead=config.lookahead)
     if pick is None:

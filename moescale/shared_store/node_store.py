@@ -2,7 +2,8 @@
 
 Under torchrun no parent process exists to build a shared `ExpertStore` and hand its tensors to
 the ranks (what `shared_expert_store` + `run_local` do in tests), so `node_expert_store(moes,
-group)` does it collectively, with a file in /dev/shm (tmpfs, i.e. RAM):
+group)` does it collectively, with a file in /dev/shm (tmpfs, i.e. RAM; $MOESCALE_SHM_DIR
+names another directory):
 
   1. rank 0 of the group removes the stores of dead owners (`sweep_stale_stores`: the files a
      SIGKILLed run left), picks the name `moescale-store-node<node>-<pid>-<random>-<host>.bin`
@@ -54,6 +55,7 @@ from moescale.shared_store.experts import (
 )
 
 DEFAULT_DIRECTORY = "/dev/shm"
+DIRECTORY_VARIABLE = "MOESCALE_SHM_DIR"   # overrides the default (a tmpfs directory)
 _NAME = re.compile(r"moescale-store-node\d+-(?P<pid>\d+)-[0-9a-f]{12}(?:-(?P<host>.+))?\.bin")
 
 
@@ -88,11 +90,18 @@ def _create(path: str, numel: int, directory: str) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
 
 
+def shm_directory() -> str:
+    """Where node stores go: $MOESCALE_SHM_DIR when set (e.g. one tmpfs directory per test
+    worker, so that concurrent runs' files are told apart), else /dev/shm."""
+    return os.environ.get(DIRECTORY_VARIABLE) or DEFAULT_DIRECTORY
+
+
 def node_expert_store(moes: Sequence[MoE], group=None,
-                      directory: str = DEFAULT_DIRECTORY, node: int = 0) -> ExpertStore:
+                      directory: str | None = None, node: int = 0) -> ExpertStore:
     """Collective over `group` (the ranks of node `node`): one host copy of the experts of
     `moes` (layer i = moes[i]) mapped by every rank, as an ExpertStore (see the module
-    docstring)."""
+    docstring). directory None: `shm_directory()`."""
+    directory = shm_directory() if directory is None else directory
     experts = [grouped_experts_of(m, "a shared expert store") for m in moes]
     layouts = [grouped_layout(x) for x in experts]
     num_experts = [x.num_experts for x in experts]

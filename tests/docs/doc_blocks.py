@@ -20,6 +20,10 @@ last value of an option wins), a `--resume` one trains to step 4 instead of 2, s
 set runs in minutes. Fixtures in the temporary directory, the stand-ins for the user's own
 files the examples name: `texts/` (a few text files: the repository's docs) and `my.toml` (a
 small run config).
+
+Speed: `moescale` commands and python scripts run in processes forked from the test session's
+warm fork server (warm_runner.py: torch and the CLI imported once), torchrun commands as fresh
+processes; MOESCALE_DOC_FRESH=1 starts every command fresh.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from warm_runner import run_warm, warm_enabled
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TAGS = ("python", "bash", "sh", "shell", "console")
@@ -166,19 +172,32 @@ def run_block(block: Block, workdir: Path, timeout_s: float) -> list[str]:
         script = workdir / "snippet.py"
         script.write_text(block.text, encoding="utf-8")
         overrides = [f"{k}={v}" for k, v in SHRINK.items()] if shrink_enabled() else []
-        commands = [[sys.executable, script.name] + overrides]
+        commands = [([sys.executable, script.name] + overrides,
+                     ["python", script.name] + overrides)]
     else:
-        commands = [resolved(shrunk(argv)) for argv in shell_commands(block)]
+        commands = [(resolved(shrunk(argv)), shrunk(argv)) for argv in shell_commands(block)]
         if not commands:
             raise AssertionError(f"{block.id}: no command to run; mark the block "
                                  "<!-- doc-test: skip: REASON --> or tag it text")
-    for argv in commands:
-        try:
-            done = subprocess.run(argv, cwd=workdir, env=environment(), timeout=timeout_s,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        except subprocess.TimeoutExpired:
+    for argv, as_written in commands:
+        code, output = run_command(argv, as_written, workdir, timeout_s)
+        if code is None:
             raise AssertionError(f"{block.id}: {shlex.join(argv)} ran past {timeout_s} s")
-        if done.returncode != 0:
-            raise AssertionError(f"{block.id}: {shlex.join(argv)} exited {done.returncode}:\n"
-                                 f"{done.stdout[-4000:]}")
-    return [shlex.join(argv) for argv in commands]
+        if code != 0:
+            raise AssertionError(f"{block.id}: {shlex.join(argv)} exited {code}:\n"
+                                 f"{output[-4000:]}")
+    return [shlex.join(argv) for argv, _ in commands]
+
+
+def run_command(argv: list[str], as_written: list[str], workdir: Path,
+                timeout_s: float) -> tuple[int | None, str]:
+    """(exit code or None on timeout, output): `moescale` commands and python scripts in a
+    process forked from the warm fork server (warm_runner.py), the rest as fresh processes."""
+    if warm_enabled() and as_written[0] in ("moescale", "python"):
+        return run_warm(as_written, workdir, environment(), timeout_s)
+    try:
+        done = subprocess.run(argv, cwd=workdir, env=environment(), timeout=timeout_s,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except subprocess.TimeoutExpired:
+        return None, ""
+    return done.returncode, done.stdout

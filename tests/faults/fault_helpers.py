@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moescale.shared_store.node_store import shm_directory
 from train_helpers import TINY, as_argv
 
 TEMP = re.compile(r"\.ckpt_.*\.tmp|\.tmp[A-Za-z0-9]{6}|.*\.tmp")   # ours, safetensors', dirs
-SHM = "/dev/shm"
 
 
 def tiny_args(corpus: Path, run_dir: Path, **extra: str) -> list[str]:
@@ -120,10 +120,12 @@ def wait_for(predicate, timeout: float, poll: float = 0.0005):
 
 
 def shm_stores() -> set[str]:
-    """The shared expert stores in /dev/shm (dynamic placement)."""
-    if not os.path.isdir(SHM):
+    """The shared expert stores in the node stores' directory (dynamic placement: /dev/shm,
+    or this test session's directory there, see conftest.py)."""
+    directory = shm_directory()
+    if not os.path.isdir(directory):
         return set()
-    return {n for n in os.listdir(SHM) if n.startswith("moescale-store-")}
+    return {n for n in os.listdir(directory) if n.startswith("moescale-store-")}
 
 
 def losses(run_dir: Path) -> list[tuple[int, float, float | None]]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from moescale.layers.moe import MoE
 from moescale.parallel.launch import run_local
+from moescale.shared_store.node_store import shm_directory
 
 pytestmark = pytest.mark.distributed
 
@@ -43,7 +44,7 @@ def _store_rank(rank: int, world: int, directory: str):
 
 @pytest.mark.timeout(60)
 def test_node_store_is_shared_and_leaves_no_file(tmp_path):
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    directory = shm_directory() if os.path.isdir(shm_directory()) else str(tmp_path)
     results = run_local(_store_rank, 2, (directory,), timeout_s=20, deadline_s=50)
     (left0, seen0, sums0), (left1, seen1, sums1) = [r.value for r in results]
     assert seen0 == seen1 == 42.0             # rank 1's write is rank 0's memory

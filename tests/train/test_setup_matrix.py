@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from moescale.train.assembly import check_parts
+from moescale.shared_store.node_store import shm_directory
 from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.launch import train_distributed
@@ -77,7 +78,7 @@ def _train(config, run_dir, ranks: int, resume: bool = False) -> None:
 
 
 def _store_files() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("moescale-store-")}
+    return {n for n in os.listdir(shm_directory()) if n.startswith("moescale-store-")}
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import torch
 from moescale.parallel.launch import free_port, run_local
 from moescale.parallel.nodes import node_layout, node_share
 from moescale.train.assembly import check_parts
+from moescale.shared_store.node_store import shm_directory
 from moescale.train.exchange import check_launch
 from moescale.train.config import load_config, to_dict
 from moescale.train.metrics import read_metrics
@@ -117,7 +118,7 @@ def test_torchrun_on_two_machines(runs, tmp_path):
     """Two torchrun agents on this machine as the two machines of `torchrun --nnodes 2`
     (node_size 0: LOCAL_WORLD_SIZE, numbering checked against GROUP_RANK / LOCAL_RANK)."""
     single, _, _, _, options = runs
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("moescale-store-")}
+    before = {n for n in os.listdir(shm_directory()) if n.startswith("moescale-store-")}
     torchrun, port = Path(sys.executable).parent / "torchrun", str(free_port())
     argv = as_argv(dict(options, **{"parallel.placement": "dynamic",
                                     "train.run_dir": str(tmp_path / "run")}))
@@ -135,7 +136,7 @@ def test_torchrun_on_two_machines(runs, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "2 local ranks on each of 2 nodes" in outs[0]
     assert_same_run(run_records(tmp_path / "run"), run_records(single))
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("moescale-store-")} == before
+    assert {n for n in os.listdir(shm_directory()) if n.startswith("moescale-store-")} == before
 
 
 @pytest.mark.parametrize("world, node_size, env, match", [
