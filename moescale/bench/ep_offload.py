@@ -12,10 +12,14 @@ Interleaved: every repetition runs every configuration once, round-robin, the st
 per repetition, a barrier before each; a sample is the slower rank's time. Reported per
 configuration: median, and the ratio to the unpipelined path as the geometric mean of the
 paired per-repetition ratios with its 95% t-interval; per rank: the simulated device peak
-against its budget (it must not exceed it), the uploads and the look-ahead uploads.
+against its budget (it must not exceed it), the uploads, the look-ahead uploads and the walk
+positions served by a retained copy instead of an upload (cache.py, retention). A
+configuration `C<chunks>-<strategy>-noreuse` runs with the snake order and retention off
+(every expert uploaded once per chunk: the pipelined path before them), interleaved too.
 
     moescale bench ep-offload [--tokens 1024] [--d-model 256] [--d-ff 1024] [--experts 8]
-        [--budget 2] [--configs C2-none,C4-none,C2-S2,C4-S4] [--runs 9] [--out PATH]
+        [--budget 2] [--configs C2-none,C4-none,C2-S2,C4-S4[,C2-none-noreuse]] [--runs 9]
+        [--out PATH]
 
 Writes benchmarks/results/ep_offload_<hardware>.json with the CPU flags. On CPU ranks the
 exchanges are gloo copies through loopback TCP on the cores that compute, and an "upload" is
@@ -56,12 +60,14 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
     for name in names:
         dispatcher = None
         if name != "unpipelined":
-            chunks, strategy = name[1:].split("-")
+            chunks, strategy = name[1:].split("-")[:2]
             dispatcher = PipelinedExpertParallelDispatcher(
                 groups, args["experts"], num_chunks=int(chunks), strategy=strategy)
         moe = shard_moe(full, groups, dispatcher)
         engines[name] = offload_moe(moe, OffloadConfig(
             tier="host", device_budget_experts=args["budget"], step_mode="eager"))
+        if name.endswith("-noreuse"):
+            engines[name].cache.retain = engines[name].snake = False
         layers[name] = moe
 
     def step(name: str) -> None:
@@ -87,6 +93,7 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
         out["rank"][name] = dict(device_peak_bytes=dev.peak_bytes,
                                  device_budget_bytes=dev.budget_bytes,
                                  uploads=cache.num_uploads, lookahead_uploads=cache.num_lookahead,
+                                 reused=cache.num_reused,
                                  strategy=layers[name].dispatcher.last_stats.get("strategy")
                                  if name != "unpipelined" else None)
         engines[name].close()
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--budget", type=float, default=2.0, help="device budget in experts")
     ap.add_argument("--configs", default="C2-none,C4-none,C2-S2,C4-S4",
-                    help="pipelined configurations C<chunks>-<strategy>")
+                    help="pipelined configurations C<chunks>-<strategy>[-noreuse]")
     ap.add_argument("--runs", type=int, default=9, help="timed repetitions")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
@@ -110,15 +117,17 @@ def main(argv: list[str] | None = None) -> int:
                 budget=ns.budget, configs=[c for c in ns.configs.split(",") if c],
                 runs=ns.runs, warmup=ns.warmup)
     for c in args["configs"]:
-        if not c.startswith("C") or "-" not in c or not c[1:].split("-")[0].isdigit():
-            raise ValueError(f"--configs entry {c!r} must look like C<chunks>-<strategy>, "
-                             "e.g. C4-S4")
+        parts = c[1:].split("-")
+        if not c.startswith("C") or len(parts) not in (2, 3) or not parts[0].isdigit() or \
+                parts[2:] not in ([], ["noreuse"]):
+            raise ValueError(f"--configs entry {c!r} must look like C<chunks>-<strategy>"
+                             "[-noreuse], e.g. C4-S4 or C2-none-noreuse")
     world = 2
     results = run_local(_rank_body, world, (args,), timeout_s=300, deadline_s=3000)
     times = results[0].value["times_s"]
     base = times["unpipelined"]
     rows, ok = [], True
-    print(f"\n{'configuration':<14} {'median ms':>10} {'x unpipelined [95% CI]':>30} "
+    print(f"\n{'configuration':<16} {'median ms':>10} {'x unpipelined [95% CI]':>30} "
           f"{'device peak / budget per rank (KiB)':>38}")
     for name, t in times.items():
         ranks = [r.value["rank"][name] for r in results]
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = "1 (reference)" if interval is None else str(interval).split(" (")[0]
         peaks = ", ".join(f"{r['device_peak_bytes'] >> 10} / {r['device_budget_bytes'] >> 10}"
                           for r in ranks)
-        print(f"{name:<14} {1e3 * statistics.median(t):>10.1f} {shown:>30} {peaks:>38}")
+        print(f"{name:<16} {1e3 * statistics.median(t):>10.1f} {shown:>30} {peaks:>38}")
         rows.append(dict(name=name, median_s=statistics.median(t), times_s=t,
                          ratio=None if interval is None else interval.as_dict(),
                          ranks=ranks, peak_within_budget=within))
