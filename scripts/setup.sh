@@ -17,7 +17,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   fi
   "$VPY" -m pip install -q "$spec"
 fi
-if ! "$VPY" -c "import moescale, pytest, pytest_timeout, transformers, tokenizers, datasets" \
+if ! "$VPY" -c "import moescale, pytest, pytest_timeout, xdist, transformers, tokenizers, datasets" \
     >/dev/null 2>&1 \
     || [ pyproject.toml -nt .venv/.moescale-installed ]; then
   "$VPY" -m pip install -q -e ".[dev]"

@@ -196,12 +196,28 @@ SLOW_FILES = ("train/test_train_ep_offload.py", "train/test_train_nodes.py",
               "train/test_train_dynamic.py")
 
 
+# Fixtures that are module-scoped but cost nothing to set up twice.
+CHEAP_SHARED_FIXTURES = ("one_intra_op_thread",)
+
+
+def shares_a_fixture(item) -> bool:
+    """Whether the test uses a module- or package-scoped fixture (a baseline run, a corpus)."""
+    return any(defs[-1].scope in ("module", "package") and name not in CHEAP_SHARED_FIXTURES
+               for name, defs in item._fixtureinfo.name2fixturedefs.items())
+
+
 @pytest.hookimpl(tryfirst=True)      # before -m deselects
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of SLOW_FILES slow (the fast lane, `pytest -m "not slow"`, skips them)."""
+    """Mark the tests of SLOW_FILES slow (the fast lane, `pytest -m "not slow"`, skips them).
+    Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the tests of a file that share a
+    module-scoped fixture stay on one worker (xdist_group), so its set-up (a baseline training
+    run) happens once; every other test goes to whichever worker is free."""
     for item in items:
-        if item.nodeid.split("::")[0].removeprefix("tests/") in SLOW_FILES:
+        path = item.nodeid.split("::")[0]
+        if path.removeprefix("tests/") in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        if shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(path))
 
 
 SHM_DIR = pytest.StashKey[str]()
