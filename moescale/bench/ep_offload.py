@@ -21,7 +21,8 @@ configuration `C<chunks>-<strategy>-noreuse` runs with the snake order and reten
         [--budget 2] [--configs C2-none,C4-none,C2-S2,C4-S4[,C2-none-noreuse]] [--runs 9]
         [--out PATH]
 
-Writes benchmarks/results/ep_offload_<hardware>.json with the CPU flags. On CPU ranks the
+Writes benchmarks/results/ep_offload_<hardware>.json with the CPU flags and the load average
+before and after (other processes on the cores widen the intervals). On CPU ranks the
 exchanges are gloo copies through loopback TCP on the cores that compute, and an "upload" is
 a memory copy: what the pipeline hides here is little; a GPU is the real test.
 """
@@ -29,6 +30,7 @@ a memory copy: what the pipeline hides here is little; a GPU is the real test.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--configs entry {c!r} must look like C<chunks>-<strategy>"
                              "[-noreuse], e.g. C4-S4 or C2-none-noreuse")
     world = 2
+    load_before = os.getloadavg()   # the machine is shared: how busy it was
     results = run_local(_rank_body, world, (args,), timeout_s=300, deadline_s=3000)
     times = results[0].value["times_s"]
     base = times["unpipelined"]
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     tag = hardware_tag(torch.device("cpu"))
     out = Path(ns.out) if ns.out else Path("benchmarks/results") / f"ep_offload_{tag}.json"
     write_json(out, dict(benchmark="ep-offload", hardware=tag, cpu_flags=cpu_flags(),
+                         load_average_1_5_15min=dict(before=load_before,
+                                                     after=os.getloadavg()),
                          world=world, config=args, torch_threads_per_rank=1,
                          interval="95% t-interval of the paired per-repetition log-ratios "
                                   "to the unpipelined offloaded path (geometric mean)",
