@@ -16,6 +16,8 @@ against its budget (it must not exceed it), the uploads, the look-ahead uploads 
 positions served by a retained copy instead of an upload (cache.py, retention). A
 configuration `C<chunks>-<strategy>-noreuse` runs with the snake order and retention off
 (every expert uploaded once per chunk: the pipelined path before them), interleaved too.
+`Cauto-<strategy>` lets the online tuner pick the chunk count (1, 2, 4 or 8; it explores in
+its first 14 calls, so give --warmup 16 or more); the pick is recorded per rank (`chunks`).
 
     moescale bench ep-offload [--tokens 1024] [--d-model 256] [--d-ff 1024] [--experts 8]
         [--budget 2] [--configs C2-none,C4-none,C2-S2,C4-S4[,C2-none-noreuse]] [--runs 9]
@@ -64,7 +66,8 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
         if name != "unpipelined":
             chunks, strategy = name[1:].split("-")[:2]
             dispatcher = PipelinedExpertParallelDispatcher(
-                groups, args["experts"], num_chunks=int(chunks), strategy=strategy)
+                groups, args["experts"], strategy=strategy,
+                num_chunks=chunks if chunks == "auto" else int(chunks))
         moe = shard_moe(full, groups, dispatcher)
         engines[name] = offload_moe(moe, OffloadConfig(
             tier="host", device_budget_experts=args["budget"], step_mode="eager"))
@@ -97,6 +100,8 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
                                  uploads=cache.num_uploads, lookahead_uploads=cache.num_lookahead,
                                  reused=cache.num_reused,
                                  strategy=layers[name].dispatcher.last_stats.get("strategy")
+                                 if name != "unpipelined" else None,
+                                 chunks=layers[name].dispatcher.last_stats.get("chunks")
                                  if name != "unpipelined" else None)
         engines[name].close()
     return out
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--budget", type=float, default=2.0, help="device budget in experts")
     ap.add_argument("--configs", default="C2-none,C4-none,C2-S2,C4-S4",
-                    help="pipelined configurations C<chunks>-<strategy>[-noreuse]")
+                    help="pipelined configurations C<chunks|auto>-<strategy>[-noreuse]")
     ap.add_argument("--runs", type=int, default=9, help="timed repetitions")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
@@ -120,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs=ns.runs, warmup=ns.warmup)
     for c in args["configs"]:
         parts = c[1:].split("-")
-        if not c.startswith("C") or len(parts) not in (2, 3) or not parts[0].isdigit() or \
+        if not c.startswith("C") or len(parts) not in (2, 3) or \
+                not (parts[0].isdigit() or parts[0] == "auto") or \
                 parts[2:] not in ([], ["noreuse"]):
-            raise ValueError(f"--configs entry {c!r} must look like C<chunks>-<strategy>"
+            raise ValueError(f"--configs entry {c!r} must look like C<chunks|auto>-<strategy>"
                              "[-noreuse], e.g. C4-S4 or C2-none-noreuse")
     world = 2
     load_before = os.getloadavg()   # the machine is shared: how busy it was
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         shown = "1 (reference)" if interval is None else str(interval).split(" (")[0]
         peaks = ", ".join(f"{r['device_peak_bytes'] >> 10} / {r['device_budget_bytes'] >> 10}"
                           for r in ranks)
-        print(f"{name:<16} {1e3 * statistics.median(t):>10.1f} {shown:>30} {peaks:>38}")
+        picked = f"  (tuner: {ranks[0]['chunks']} chunks)" if name.startswith("Cauto") else ""
+        print(f"{name:<16} {1e3 * statistics.median(t):>10.1f} {shown:>30} {peaks:>38}{picked}")
         rows.append(dict(name=name, median_s=statistics.median(t), times_s=t,
                          ratio=None if interval is None else interval.as_dict(),
                          ranks=ranks, peak_within_budget=within))

@@ -21,11 +21,12 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 def test_ep_offload_times_every_configuration_within_the_device_budget(tmp_path):
     out = tmp_path / "ep_offload.json"
     code = cli.main(["ep-offload", "--tokens", "64", "--d-model", "16", "--d-ff", "32",
-                     "--experts", "4", "--configs", "C2-none,C2-S4,C2-none-noreuse", "--runs", "2",
+                     "--experts", "4", "--configs", "C2-none,C2-S4,C2-none-noreuse,Cauto-none",
+                     "--runs", "2",
                      "--warmup", "1", "--out", str(out)])
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["results"]}
-    assert list(rows) == ["unpipelined", "C2-none", "C2-S4", "C2-none-noreuse"]
+    assert list(rows) == ["unpipelined", "C2-none", "C2-S4", "C2-none-noreuse", "Cauto-none"]
     assert all(len(r["times_s"]) == 2 and r["median_s"] > 0 for r in rows.values())
     assert rows["unpipelined"]["ratio"] is None
     assert all(rows[n]["ratio"]["n"] == 2 for n in ("C2-none", "C2-S4", "C2-none-noreuse"))
@@ -33,6 +34,9 @@ def test_ep_offload_times_every_configuration_within_the_device_budget(tmp_path)
         assert [r["device_peak_bytes"] <= r["device_budget_bytes"] for r in row["ranks"]] == \
             [True, True]
     assert [r["strategy"] for r in rows["C2-S4"]["ranks"]] == ["S4", "S4"]
+    assert [r["chunks"] for r in rows["C2-S4"]["ranks"]] == [2, 2]
+    picks = [r["chunks"] for r in rows["Cauto-none"]["ranks"]]   # the tuner's, the same on both
+    assert picks[0] == picks[1] and picks[0] in (1, 2, 4, 8)
     for new, old in zip(rows["C2-none"]["ranks"], rows["C2-none-noreuse"]["ranks"]):
         # the chunk boundary's expert is reused, not uploaded again; -noreuse: as before
         assert new["reused"] > 0 and old["reused"] == 0
@@ -43,5 +47,5 @@ def test_ep_offload_times_every_configuration_within_the_device_budget(tmp_path)
 
 def test_ep_offload_refuses_a_malformed_configuration():
     for bad in ("4-none", "C2-none-reuse", "C2"):
-        with pytest.raises(ValueError, match="C<chunks>-<strategy>"):
+        with pytest.raises(ValueError, match=r"C<chunks\|auto>-<strategy>"):
             cli.main(["ep-offload", "--configs", bad])
