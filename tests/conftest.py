@@ -196,6 +196,8 @@ SLOW_FILES = ("train/test_train_ep_offload.py", "train/test_train_nodes.py",
               "train/test_train_dynamic.py")
 
 
+# Run first: the doc blocks, the longest tests.
+FIRST = "tests/docs/"
 # Fixtures that are module-scoped but cost nothing to set up twice.
 CHEAP_SHARED_FIXTURES = ("one_intra_op_thread",)
 
@@ -211,13 +213,16 @@ def pytest_collection_modifyitems(config, items):
     """Mark the tests of SLOW_FILES slow (the fast lane, `pytest -m "not slow"`, skips them).
     Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the tests of a file that share a
     module-scoped fixture stay on one worker (xdist_group), so its set-up (a baseline training
-    run) happens once; every other test goes to whichever worker is free."""
+    run) happens once; every other test goes to whichever worker is free. The doc blocks (the
+    longest tests, up to a minute each) go first, so that no worker starts one while the
+    others run out of work."""
     for item in items:
         path = item.nodeid.split("::")[0]
         if path.removeprefix("tests/") in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
         if shares_a_fixture(item):
             item.add_marker(pytest.mark.xdist_group(path))
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))   # stable: files stay whole
 
 
 SHM_DIR = pytest.StashKey[str]()
