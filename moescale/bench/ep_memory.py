@@ -42,7 +42,6 @@ import argparse
 import platform
 import statistics
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 import torch

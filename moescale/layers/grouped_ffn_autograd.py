@@ -120,7 +120,7 @@ class GroupedFFNRouted(torch.autograd.Function):
             h1_RF, h3_RF = ffn_forward_blocks(
                 num_rows, counts, w, act,
                 x_rows=lambda s, t: x_TD.index_select(0, token_idx_R[s:t]).to(work),
-                y_dest=lambda s, t, n: y_XD[s:t], y_done=y_done, like=x_TD)
+                y_dest=lambda s, t, n, y_XD=y_XD: y_XD[s:t], y_done=y_done, like=x_TD)
             y_TD = gather_sum(y_XD, inv_JT).to(x_TD.dtype)
             del y_XD
         ctx.counts, ctx.act = counts, act

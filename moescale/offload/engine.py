@@ -317,6 +317,13 @@ class OffloadEngine:
         self.device.close()
 
 
+def _shifted(expert_init, start: int):
+    """expert_init for an EP shard: local expert e is global expert start + e."""
+    def init(layer, e, layout):
+        return expert_init(layer, start + e, layout)
+    return init
+
+
 def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
                 expert_init=None) -> OffloadEngine:
     """Move the experts of every MoE layer of `model` into an ExpertStore (in place).
@@ -354,8 +361,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
         experts = moe.experts if shard is None else shard.local
         init = expert_init
         if shard is not None and expert_init is not None:   # local expert l = global start + l
-            def init(layer, e, layout, _start=shard.expert_ids.start):
-                return expert_init(layer, _start + e, layout)
+            init = _shifted(expert_init, shard.expert_ids.start)
         engine.moved.add(experts.parameters())
         if isinstance(experts, GroupedExperts):
             offloaded = engine.add(experts, init)

@@ -301,11 +301,8 @@ def train_gpt(rank: int, world: int, steps: int, pipelined: bool):
     groups = build_groups(ParallelConfig(backend="gloo", timeout_s=30))
     torch.manual_seed(0)
     single = GPT(gpt_config("tiny"))
-    factory = None
-    if pipelined:
-        def factory(moe):
-            return PipelinedExpertParallelDispatcher(groups, moe.num_experts, num_chunks=3,
-                                                     strategy="S4")
+    factory = (lambda moe: PipelinedExpertParallelDispatcher(
+        groups, moe.num_experts, num_chunks=3, strategy="S4")) if pipelined else None
     ep = expert_parallel_model(copy.deepcopy(single), groups, factory)
     # SGD: Adam's first steps are sign-like, so fp32 rounding in near-zero gradient entries
     # (1e-8 absolute, present between any two summation orders) would move weights by up to
