@@ -34,11 +34,11 @@ STATE_BYTES = 16       # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 ACT_BYTES = 4
 
 
-def check_threads(threads: int) -> None:
-    """train.threads (0 = auto) must not exceed the CPUs this process may run on."""
+def check_threads(threads: int, option: str = "train.threads") -> None:
+    """A thread count (0 = auto) must not exceed the CPUs this process may run on."""
     cpus = usable_cpus()
     if threads > cpus:
-        raise ValueError(f"train.threads={threads} is more than the {cpus} CPUs this process "
+        raise ValueError(f"{option}={threads} is more than the {cpus} CPUs this process "
                          f"may use; give at most {cpus} (or 0: chosen from the load)")
 
 

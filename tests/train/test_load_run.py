@@ -70,6 +70,11 @@ def test_generate_prints_a_seeded_continuation(resident, capsys):
     assert capsys.readouterr().out == bytes(greedy).decode("utf-8", errors="replace") + "\n"
     assert cli.main(["generate", str(run_dir), "--prompt", "x", "--tokens", "-1"]) == 2
     assert "--tokens=-1" in capsys.readouterr().err
+    # torch threads: --threads, else chosen from the load like train.threads
+    assert cli.main(args + ["--threads", "1"]) == 0 and torch.get_num_threads() == 1
+    assert capsys.readouterr().out == first
+    assert cli.main(args + ["--threads", "4096"]) == 2
+    assert "--threads=4096 is more than the" in capsys.readouterr().err
 
 
 def test_export_writes_mixtral_that_transformers_loads_with_equal_logits(resident, tmp_path,
