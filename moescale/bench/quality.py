@@ -9,18 +9,19 @@ for the same training-time budget and reports both validation losses:
          token touches the same number of FFN parameters (the router's D x E gate is the only
          difference in active parameters; both counts are reported).
 
-The recipe is the named size with optional overrides (`--experts`, `--top-k`, `--lr`); the
-dense twin always has FFN width top_k * d_ff. Both get the same data stream, seed and AdamW
-settings. Each of `--seeds` (default two) trains a fresh pair; the result reports every
-seed's validation losses, the MoE - dense difference per seed, its mean and spread, and a
-loss-vs-wall-clock curve per model (validation on `--curve-batches` fixed windows at
-`--curve-points` equally spaced training times; those evaluations are not counted as training
-time). Equal time, also on a shared machine:
-the two are trained interleaved, one step of each in turn (so load from other processes hits
-both alike), and each stops once its own measured training time reaches the budget; the
-learning rate warms up over the first steps, then follows a cosine over the fraction of the
-time budget used (the step count is not known in advance). Validation loss is measured at the
-end on the same fixed windows. Writes `benchmarks/results/quality_<hardware>[_<tag>].json`.
+The recipe is the named size with optional overrides (`--experts`, `--top-k`, `--lr`, and for
+the MoE alone `--moe-lr` and `--expert-ff`, the expert width: fine-grained experts); the dense
+twin always has FFN width top_k * d_ff, with d_ff the MoE's expert width. Both get the same
+data stream, seed and AdamW settings (the learning rate too unless `--moe-lr`). Each of
+`--seeds` (default two) trains a fresh pair; the result reports every seed's validation
+losses, the MoE - dense difference per seed, its mean and spread, and a loss-vs-wall-clock
+curve per model (validation on `--curve-batches` fixed windows at `--curve-points` equally
+spaced training times; those evaluations are not counted as training time). Equal time, also
+on a shared machine: the two are trained interleaved, one step of each in turn (so load from
+other processes hits both alike), and each stops once its own measured training time reaches
+the budget; the learning rate warms up over the first steps, then follows a cosine over the
+fraction of the time budget used (the step count is not known in advance). Validation loss is
+measured at the end on the same fixed windows. Writes `benchmarks/results/quality_<hardware>[_<tag>].json`.
 
 FastMoE and ES-MoE both report the MoE winning at equal compute; this measures whether we do,
 at this scale. This file only orchestrates `moescale.train`; it adds no training logic.
@@ -49,14 +50,16 @@ def _overrides(args, seed: int, run_dir: str, dense: bool, d_ff: int, top_k: int
               "train.batch_size": str(args.batch_size), "train.seq_len": str(args.seq_len),
               "train.seed": str(seed), "train.eval_batches": str(args.eval_batches),
               "train.progress": "false", "train.sample_tokens": "0", "train.run_dir": run_dir}
-    if args.lr is not None:
-        values.update({"optim.lr": str(args.lr), "optim.min_lr": str(args.lr / 10)})
+    lr = args.lr if dense or args.moe_lr is None else args.moe_lr
+    if lr is not None:
+        values.update({"optim.lr": str(lr), "optim.min_lr": str(lr / 10)})
     if dense:
         values.update({"model.moe_every": "0", "model.d_ff": str(top_k * d_ff)})
     else:
         if args.experts is not None:
             values["model.num_experts"] = str(args.experts)
         values["model.top_k"] = str(top_k)
+        values["model.d_ff"] = str(d_ff)
     return values
 
 
@@ -88,13 +91,14 @@ def run(args, seed: int) -> dict:
     torch.set_num_threads(args.threads)
     base = gpt_config(args.size)
     top_k = args.top_k if args.top_k is not None else base.top_k
+    d_ff = args.expert_ff if args.expert_ff is not None else base.d_ff
     try:
         with tempfile.TemporaryDirectory(prefix="moescale-quality-") as root:
             trainers = {}
             for name in ("moe", "dense"):
                 run_dir = os.path.join(root, name)
                 cfg = load_config(None, _overrides(args, seed, run_dir, name == "dense",
-                                                   base.d_ff, top_k))
+                                                   d_ff, top_k))
                 trainers[name] = Trainer(cfg, run_dir, out=open(os.devnull, "w"))
             used = {name: 0.0 for name in trainers}
             loss_tail = {name: [] for name in trainers}
@@ -124,6 +128,7 @@ def run(args, seed: int) -> dict:
                     "val_loss": trainer.evaluate(), "curve": curve[name],
                     "train_loss_last20": sum(loss_tail[name]) / len(loss_tail[name]),
                     "steps": trainer.step, "train_time_s": used[name],
+                    "lr": trainer.config.optim.lr,
                     "step_s": used[name] / trainer.step,
                     "tokens": trainer.step * args.batch_size * args.seq_len,
                     "params_total": params.total, "params_active": params.active,
@@ -154,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                              "width is top_k * d_ff")
     parser.add_argument("--lr", type=float, default=None,
                         help="peak learning rate for both (min lr = lr / 10; default: config)")
+    parser.add_argument("--moe-lr", type=float, default=None,
+                        help="peak learning rate for the MoE alone (default: --lr); each expert "
+                             "sees only its share of the tokens")
+    parser.add_argument("--expert-ff", type=int, default=None,
+                        help="the MoE's expert width (default: the size's d_ff); the dense "
+                             "twin's FFN width is top_k * expert-ff")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--seeds", default="1234,1235",
@@ -202,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "quality", "hardware": hardware, "cpu_flags": cpu_flags(),
             "torch": torch.__version__, "python": platform.python_version(),
             "threads": args.threads, "seconds_per_model": args.seconds, "size": args.size,
-            "recipe": {"experts": args.experts, "top_k": args.top_k, "lr": args.lr},
+            "recipe": {"experts": args.experts, "top_k": args.top_k, "lr": args.lr,
+                       "moe_lr": args.moe_lr, "expert_ff": args.expert_ff},
             "batch_size": args.batch_size, "seq_len": args.seq_len, "seeds": seeds,
             "runs": runs, "moe_minus_dense": _spread(diffs),
             "moe_val": _spread([r["moe"]["val_loss"] for r in runs]),

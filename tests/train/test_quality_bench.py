@@ -1,8 +1,9 @@
 """The quality benchmark end to end at a toy budget: both models train, JSON is written.
 
 Two seeds (one MoE/dense pair each), the per-seed difference and its spread, the
-loss-vs-wall-clock curve, and a recipe override (top-1 routing: the dense twin's FFN width
-follows top_k)."""
+loss-vs-wall-clock curve, and recipe overrides (top-1 routing: the dense twin's FFN width
+follows top_k; fine-grained experts: it follows the expert width; a learning rate for the MoE
+alone)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,17 @@ def test_quality_recipe_override_and_bad_seeds(tmp_path):
     assert dense["model"]["d_ff"] == moe["model"]["d_ff"]
     with pytest.raises(ValueError, match="--seeds"):
         main(TOY + ["--seeds", "a,b"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quality_fine_grained_experts_and_moe_lr(tmp_path):
+    assert main(TOY + ["--seeds", "5", "--top-k", "2", "--experts", "4", "--expert-ff", "64",
+                       "--lr", "0.002", "--moe-lr", "0.004", "--tag", "fg",
+                       "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("quality_*_fg.json")
+    result = json.loads(path.read_text())
+    assert result["recipe"]["moe_lr"] == 0.004 and result["recipe"]["expert_ff"] == 64
+    moe, dense = result["runs"][0]["moe"], result["runs"][0]["dense"]
+    assert moe["model"]["d_ff"] == 64 and dense["model"]["d_ff"] == 2 * 64
+    assert moe["lr"] == 0.004 and dense["lr"] == 0.002
