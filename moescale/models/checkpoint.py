@@ -127,6 +127,20 @@ def save_checkpoint(path: str | os.PathLike, model_or_state: nn.Module | Mapping
         save_file(stored, str(tmp), metadata=header)
 
 
+def check_format(where: str | os.PathLike, what: str, field: tuple[str, str], found,
+                 version: int | str, found_version) -> None:
+    """Refuse a saved file that is not `what` (its `field` = (name, expected value) reads
+    `found`) or is of another format version; either way transformers' own checkpoints are
+    pointed to from_pretrained. Shared by the consolidated checkpoint and save_moefied."""
+    name, expected = field
+    if found != expected:
+        raise ValueError(f"{str(where)!r} is not {what} ({name}={found!r}); Hugging Face "
+                         "checkpoints load with transformers' from_pretrained")
+    if found_version != version:
+        raise ValueError(f"{str(where)!r} has format version {found_version!r}; this moescale "
+                         f"reads version {version}")
+
+
 def read_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu"
                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state dict with aliases restored, user metadata) of a consolidated checkpoint."""
@@ -138,13 +152,8 @@ def read_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
                          ".safetensors file written by save_checkpoint")
     with safe_open(path, framework="pt", device=str(device)) as f:
         header = f.metadata() or {}
-        if header.get("format") != FORMAT_NAME:
-            raise ValueError(f"{path!r} is not a moescale consolidated checkpoint (format="
-                             f"{header.get('format')!r}); Hugging Face checkpoints load with "
-                             "transformers' from_pretrained")
-        if header.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path!r} has format version {header.get('version')!r}; this "
-                             f"moescale reads version {FORMAT_VERSION}")
+        check_format(path, "a moescale consolidated checkpoint", ("format", FORMAT_NAME),
+                     header.get("format"), FORMAT_VERSION, header.get("version"))
         state = {key: f.get_tensor(key) for key in f.keys()}
     for alias, key in json.loads(header.get("aliases", "{}")).items():
         state[alias] = state[key]

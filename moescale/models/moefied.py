@@ -33,7 +33,7 @@ from torch import nn
 
 from moescale.atomic import atomic_write_json, new_directory
 from moescale.layers.moe import MoE
-from moescale.models.checkpoint import load_checkpoint, save_checkpoint
+from moescale.models.checkpoint import check_format, load_checkpoint, save_checkpoint
 from moescale.models.moefy import find_ffn_blocks, moefy
 
 MODEL_TYPE = "moescale_moefied"
@@ -98,13 +98,8 @@ def load_moefied(path: str | os.PathLike) -> nn.Module:
     path = Path(path)
     cfg_file = path / "config.json"
     meta = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    if meta.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"{str(path)!r} is not a save_moefied directory (config.json model_type="
-                         f"{meta.get('model_type')!r}); transformers checkpoints load with "
-                         "from_pretrained")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{str(path)!r} has format_version {meta.get('format_version')!r}; "
-                         f"this moescale reads {FORMAT_VERSION}")
+    check_format(path, "a save_moefied directory", ("config.json model_type", MODEL_TYPE),
+                 meta.get("model_type"), FORMAT_VERSION, meta.get("format_version"))
     transformers = importlib.import_module("transformers")
     cls = getattr(transformers, meta["base_architecture"], None)
     if cls is None:
