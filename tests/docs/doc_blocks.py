@@ -17,13 +17,15 @@
 
 Shrink: unless MOESCALE_DOC_SHRINK=0, a `moescale train` command gets SHRINK appended (the
 last value of an option wins), a `--resume` one trains to step 4 instead of 2, so the whole
-set runs in minutes. Fixtures in the temporary directory, the stand-ins for the user's own
-files the examples name: `texts/` (a few text files: the repository's docs) and `my.toml` (a
-small run config).
+set runs in minutes; SHRINK also leaves out report.png (drawing it takes ~1.3 s of a 2-step
+run's ~2 s; tests/train/test_cli.py checks a CLI run's report). Fixtures in the temporary
+directory, the stand-ins for the user's own files the examples name: `texts/` (a few text
+files: the repository's docs) and `my.toml` (a small run config).
 
-Speed: `moescale` commands and python scripts run in processes forked from the test session's
-warm fork server (warm_runner.py: torch and the CLI imported once), torchrun commands as fresh
-processes; MOESCALE_DOC_FRESH=1 starts every command fresh.
+Speed: `moescale` commands, python scripts and single-node `torchrun -m moescale` commands (one
+forked process per rank, torchrun's environment) run in processes forked from the test
+session's warm fork server (warm_runner.py: torch and the CLI imported once); other torchrun
+command lines start the real launcher; MOESCALE_DOC_FRESH=1 starts every command fresh.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from warm_runner import run_warm, warm_enabled
+from warm_runner import run_warm, run_warm_torchrun, torchrun_ranks, warm_enabled
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TAGS = ("python", "bash", "sh", "shell", "console")
@@ -46,7 +48,7 @@ COMMANDS = ("moescale", "python", "torchrun")
 SKIP = re.compile(r"<!--\s*doc-test:\s*skip:\s*(.*?)\s*-->")
 SHRINK = {"train.steps": "2", "train.batch_size": "4", "train.seq_len": "32",
           "train.eval_interval": "0", "train.eval_batches": "1", "train.sample_tokens": "0",
-          "train.checkpoint_interval": "0", "train.progress": "false"}
+          "train.checkpoint_interval": "0", "train.progress": "false", "train.report": "false"}
 RESUME_STEPS = "4"
 
 
@@ -191,10 +193,14 @@ def run_block(block: Block, workdir: Path, timeout_s: float) -> list[str]:
 
 def run_command(argv: list[str], as_written: list[str], workdir: Path,
                 timeout_s: float) -> tuple[int | None, str]:
-    """(exit code or None on timeout, output): `moescale` commands and python scripts in a
-    process forked from the warm fork server (warm_runner.py), the rest as fresh processes."""
+    """(exit code or None on timeout, output): `moescale` commands, python scripts and
+    single-node `torchrun -m moescale` commands in processes forked from the warm fork server
+    (warm_runner.py), the rest as fresh processes."""
     if warm_enabled() and as_written[0] in ("moescale", "python"):
         return run_warm(as_written, workdir, environment(), timeout_s)
+    ranks = torchrun_ranks(as_written) if warm_enabled() else None
+    if ranks is not None:
+        return run_warm_torchrun(*ranks, workdir, environment(), timeout_s)
     try:
         done = subprocess.run(argv, cwd=workdir, env=environment(), timeout=timeout_s,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

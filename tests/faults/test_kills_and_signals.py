@@ -33,7 +33,12 @@ KILLS = 20
 def test_kill9_during_checkpoint_writes_resumes_bitwise(launcher, corpus, reference, tmp_path):
     result = kill_resume_loop(launcher, corpus, tmp_path / "run", steps=STEPS, kills=KILLS)
     assert result.kills == KILLS and result.resumes == KILLS
-    assert all(n >= 1 for n in result.left_after_kill)        # each kill hit a write
+    # The kill is sent the moment the temp file appears; a write can still finish (rename)
+    # before the signal lands when the loop's process is descheduled on a busy machine (seen
+    # once in a whole-suite run). Such a kill must still resume bit for bit (checked below);
+    # at least three quarters must land mid-write for the test to mean what it says.
+    hits = sum(n >= 1 for n in result.left_after_kill)
+    assert hits >= KILLS * 3 // 4, f"only {hits} of {KILLS} kills landed during a write"
     assert result.left_after_start == [0] * len(result.left_after_start)
     assert result.swept_lines == len(result.left_after_start)  # one line each time
     assert result.final_code == 0 and result.final_temps == []
