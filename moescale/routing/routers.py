@@ -48,24 +48,56 @@ def top_k_lowest_index(values_TE: torch.Tensor, k: int):
     return values_TE.gather(1, ids_TK), ids_TK
 
 
+# Bytes per fp32 block when a low-precision input is upcast block by block: a whole T x D fp32
+# copy is a fresh allocation whose first write faults page by page on a CPU (~0.55 ms per MiB
+# on a 2-core EPYC VM); blocks this size are reused from the heap. Gate forward + backward at
+# T = 8192, D = 512, E = 64, bf16: 18.9 -> 15.2 ms (best of 21 each, interleaved).
+UPCAST_BLOCK_BYTES = 2 << 20
+
+
+def _upcast_blocks(x_TD: torch.Tensor):
+    """(start, stop) row ranges whose fp32 copies are about UPCAST_BLOCK_BYTES each."""
+    step = max(1, UPCAST_BLOCK_BYTES // (4 * max(x_TD.shape[1], 1)))
+    return [(s, min(s + step, x_TD.shape[0])) for s in range(0, x_TD.shape[0], step)]
+
+
 class GateLogits(torch.autograd.Function):
     """logits_TE = x_TD @ w_ED^T computed in fp32, saving x_TD in its own precision.
 
     `x_TD.float() @ w.float().t()` in autograd would save the fp32 copy of a bf16 input for
     backward (2x the input's bytes); this keeps the input itself and upcasts again in backward.
+    A low-precision input on a CPU is upcast block by block (`_upcast_blocks`), never whole:
+    the same fp32 GEMMs, without a fresh T x D fp32 buffer per pass.
     """
 
     @staticmethod
     def forward(ctx, x_TD, w_ED):
         ctx.save_for_backward(x_TD, w_ED)
-        return x_TD.float() @ w_ED.float().t()
+        w32_DE = w_ED.float().t()
+        if x_TD.dtype == torch.float32 or x_TD.device.type != "cpu":
+            return x_TD.float() @ w32_DE
+        logits_TE = x_TD.new_empty(x_TD.shape[0], w_ED.shape[0], dtype=torch.float32)
+        for s, t in _upcast_blocks(x_TD):
+            torch.mm(x_TD[s:t].float(), w32_DE, out=logits_TE[s:t])
+        return logits_TE
 
     @staticmethod
     def backward(ctx, g_TE):
         x_TD, w_ED = ctx.saved_tensors
-        dx_TD = (g_TE @ w_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
-        dw_ED = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
-        return dx_TD, dw_ED
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w32_ED = w_ED.float()
+        if x_TD.dtype == torch.float32 or x_TD.device.type != "cpu":
+            dx_TD = (g_TE @ w32_ED).to(x_TD.dtype) if need_dx else None
+            dw_ED = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if need_dw else None
+            return dx_TD, dw_ED
+        dx_TD = torch.empty_like(x_TD) if need_dx else None
+        dw32_ED = w32_ED.new_zeros(w_ED.shape) if need_dw else None
+        for s, t in _upcast_blocks(x_TD):
+            if need_dx:
+                dx_TD[s:t] = g_TE[s:t] @ w32_ED
+            if need_dw:
+                dw32_ED.addmm_(g_TE[s:t].t(), x_TD[s:t].float())
+        return dx_TD, None if dw32_ED is None else dw32_ED.to(w_ED.dtype)
 
 
 class Router(nn.Module):
