@@ -86,11 +86,21 @@ def token_slots(token_idx_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def gather_sum(rows_XD: torch.Tensor, inv_JT: torch.Tensor) -> torch.Tensor:
-    """out_TD = sum_j rows_XD[inv_JT[j]] (rows_XD's last row is the zero row)."""
-    if inv_JT.shape[0] == 0:
-        return rows_XD.new_zeros(inv_JT.shape[1], rows_XD.shape[1])
+    """out_TD = sum_j rows_XD[inv_JT[j]] (rows_XD's last row is the zero row).
+
+    fp32 rows on a CPU take one `embedding_bag` sum (one pass, no T x D temporary: 6 ms
+    instead of 14 ms at T = 8192, D = 512, J = 2 on a 2-core EPYC, bitwise equal for J = 2);
+    other dtypes gather and add (bf16's `embedding_bag` is 2x faster too, but its sum is off
+    by up to 1 ulp, where adding two bf16 rows rounds the exact sum once)."""
+    num_slots, num_tokens = inv_JT.shape
+    if num_slots == 0:
+        return rows_XD.new_zeros(num_tokens, rows_XD.shape[1])
+    if rows_XD.dtype == torch.float32 and rows_XD.device.type == "cpu":
+        offsets_T = torch.arange(0, num_slots * num_tokens, num_slots, device=inv_JT.device)
+        return torch.nn.functional.embedding_bag(inv_JT.t().reshape(-1), rows_XD, offsets_T,
+                                                 mode="sum")
     out_TD = rows_XD.index_select(0, inv_JT[0])
-    for j in range(1, inv_JT.shape[0]):
+    for j in range(1, num_slots):
         out_TD += rows_XD.index_select(0, inv_JT[j])
     return out_TD
 
