@@ -83,7 +83,8 @@ def lr_by_time(step: int, used_s: float, budget_s: float, optim, warmup_steps: i
 
 def run(args, seed: int) -> dict:
     from moescale.models import gpt_config
-    from moescale.train.trainer import Trainer, auto_threads
+    from moescale.train.threads import auto_threads
+    from moescale.train.trainer import Trainer
 
     threads = torch.get_num_threads()
     if not args.threads:

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{name}={value!r} is invalid: must be {need}")
     from moescale.train.limits import check_threads
     from moescale.train.load_run import load_run, run_tokenizer
-    from moescale.train.trainer import auto_threads, resolve_device
+    from moescale.train.threads import auto_threads
+    from moescale.train.trainer import resolve_device
 
     check_threads(args.threads, "--threads")
     torch.set_num_threads(args.threads or auto_threads()[0])

@@ -68,6 +68,7 @@ from moescale.train.metrics import MetricsLog
 from moescale.train.optim import build_optimizer, lr_at, set_lr
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.summary import imbalance, postfix_text, summarise
+from moescale.train.threads import auto_threads, torch_threads
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
 
@@ -84,22 +85,6 @@ def resolve_device(name: str) -> torch.device:
 def _expert_counts(model: GPT) -> list[torch.Tensor]:
     return [m.last_stats.routed_E for m in model.modules()
             if isinstance(m, MoE) and m.last_stats is not None]
-
-
-def auto_threads(ranks: int = 1) -> tuple[int, str]:
-    """Threads for `train.threads = 0`: the CPUs left free by the current load average.
-
-    On a busy machine torch's default (one thread per core) is far slower than fewer threads:
-    every parallel region waits for all its threads to be scheduled. The choice is written
-    into the run's config.toml, so a resumed run uses the same count (and the same floats)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = max(1, min(cpus or 1, torch.get_num_threads()) // ranks)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return cpus, f"auto: {cpus} CPUs"
-    threads = max(1, min(cpus, int(cpus - load + 0.5)))
-    return threads, f"auto: {cpus} CPUs, load average {load:.1f}"
 
 
 class Trainer:
@@ -124,6 +109,16 @@ class Trainer:
         self.threads_note = "set by train.threads"
         if tc.threads == 0:
             tc.threads, self.threads_note = auto_threads(self.ranks.world_size)
+        with torch_threads(tc.threads):           # building is torch work too (threads.py)
+            self._build_model(resume)
+            try:
+                self._build(resume)
+            except BaseException:     # stop the offload engine's threads
+                self.parts.close()
+                raise
+
+    def _build_model(self, resume: bool) -> None:
+        config, tc = self.config, self.config.train
         self.device = resolve_device(tc.device)
         if not resume:      # resumed: the run's recorded tokenizer, the checkpoint's weights
             run_model.adopt_tokenizer(config, self.err)
@@ -144,11 +139,6 @@ class Trainer:
             if removed:
                 print(f"removed {removed} temp file(s) ({fmt_bytes(freed)}) that an "
                       f"interrupted run left in {self.run_dir}", file=self.err)
-        try:
-            self._build(resume)
-        except BaseException:     # stop the offload engine's threads
-            self.parts.close()
-            raise
 
     def _build(self, resume: bool) -> None:
         config, tc = self.config, self.config.train
@@ -353,12 +343,10 @@ class Trainer:
         (SIGINT) or 143 (SIGTERM) when interrupted. Sets torch's thread count to
         train.threads for the call only."""
         tc = self.config.train
-        threads = torch.get_num_threads()
-        torch.set_num_threads(tc.threads)
         try:
-            return self._run(min(tc.steps, until_step or tc.steps))
+            with torch_threads(tc.threads):
+                return self._run(min(tc.steps, until_step or tc.steps))
         finally:
-            torch.set_num_threads(threads)
             self.parts.close()
 
     def _run(self, last_step: int) -> int:
