@@ -178,14 +178,29 @@ SPAWNING_DIRS = ("parallel/", "faults/", "train/", "bench/", "expert_state/", "o
 
 
 def pytest_collection_finish(session):
-    """Start the fork server with FORKSERVER_PRELOAD when a selected test may fork from it."""
+    """Start the fork server with FORKSERVER_PRELOAD when a selected test may fork from it.
+
+    The server (and so every process forked from it that does not redirect its own output, e.g.
+    run_local's ranks; their errors come back through run_local) writes to /dev/null, not into
+    the output pytest is capturing at that moment: the doc scripts' ranks come from this server
+    too (tests/docs/warm_runner.py) and would print into the progress line."""
     if any(item.nodeid.removeprefix("tests/").startswith(SPAWNING_DIRS)
            for item in session.items):
         import multiprocessing
         import multiprocessing.forkserver
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-        multiprocessing.forkserver.ensure_running()
+        saved = os.dup(1), os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, devnull):
+                os.close(fd)
 
 
 # Trainer end-to-end files of launch paths the set-up matrix does not cover (torchrun through
