@@ -49,7 +49,8 @@ def _overrides(args, seed: int, run_dir: str, dense: bool, d_ff: int, top_k: int
     values = {"model.size": args.size, "train.steps": "1000000",
               "train.batch_size": str(args.batch_size), "train.seq_len": str(args.seq_len),
               "train.seed": str(seed), "train.eval_batches": str(args.eval_batches),
-              "train.progress": "false", "train.sample_tokens": "0", "train.run_dir": run_dir}
+              "train.progress": "false", "train.sample_tokens": "0", "train.run_dir": run_dir,
+              "train.threads": str(args.threads)}
     lr = args.lr if dense or args.moe_lr is None else args.moe_lr
     if lr is not None:
         values.update({"optim.lr": str(lr), "optim.min_lr": str(lr / 10)})
@@ -83,17 +84,15 @@ def lr_by_time(step: int, used_s: float, budget_s: float, optim, warmup_steps: i
 
 def run(args, seed: int) -> dict:
     from moescale.models import gpt_config
-    from moescale.train.threads import auto_threads
+    from moescale.train.threads import auto_threads, torch_threads
     from moescale.train.trainer import Trainer
 
-    threads = torch.get_num_threads()
     if not args.threads:
         args.threads = auto_threads()[0]
-    torch.set_num_threads(args.threads)
     base = gpt_config(args.size)
     top_k = args.top_k if args.top_k is not None else base.top_k
     d_ff = args.expert_ff if args.expert_ff is not None else base.d_ff
-    try:
+    with torch_threads(args.threads):
         with tempfile.TemporaryDirectory(prefix="moescale-quality-") as root:
             trainers = {}
             for name in ("moe", "dense"):
@@ -137,8 +136,6 @@ def run(args, seed: int) -> dict:
                               ("n_layers", "d_model", "d_ff", "num_experts", "top_k",
                                "moe_every")},
                 }
-    finally:
-        torch.set_num_threads(threads)
     return result
 
 

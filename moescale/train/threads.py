@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from moescale.layers.expert_threads import thread_budget
+
 
 def auto_threads(ranks: int = 1) -> tuple[int, str]:
     """Threads for `train.threads = 0`: the CPUs left free by the current load average.
@@ -23,8 +25,7 @@ def auto_threads(ranks: int = 1) -> tuple[int, str]:
     On a busy machine torch's default (one thread per core) is far slower than fewer threads:
     every parallel region waits for all its threads to be scheduled. The choice is written
     into the run's config.toml, so a resumed run uses the same count (and the same floats)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = max(1, min(cpus or 1, torch.get_num_threads()) // ranks)
+    cpus = max(1, thread_budget() // ranks)     # torch's count, at most the usable CPUs
     try:
         load = os.getloadavg()[0]
     except OSError:
