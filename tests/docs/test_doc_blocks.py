@@ -64,7 +64,8 @@ def test_forked_torchrun_runs_every_rank_and_fails_like_torchrun(tmp_path):
                                      dict(os.environ), timeout_s=60)
     assert code == 2, output
     assert "[rank 0]" in output and "[rank 1]" in output
-    assert output.count("no_such_option") >= 2, output
+    # (the first failure ends the other rank, which may not have printed its own yet)
+    assert "no_such_option" in output, output
 
 
 @pytest.mark.slow

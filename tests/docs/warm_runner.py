@@ -41,6 +41,8 @@ import time
 import uuid
 from pathlib import Path
 
+from moescale.parallel.launch import free_port
+
 
 def warm_enabled() -> bool:
     return os.environ.get("MOESCALE_DOC_FRESH", "0") != "1"
@@ -93,24 +95,46 @@ def _reuse_session_fork_server() -> None:
     server.ensure_running = resource_tracker.ensure_running
 
 
+def _run_forked(jobs: list[tuple[list[str], dict[str, str]]], cwd: Path,
+                timeout_s: float) -> tuple[int | None, list[str]]:
+    """Each (argv, env) of `jobs` in its own process forked from the warm server, all at once:
+    (0, the first failing process's exit code, or None past timeout_s; each one's output). A
+    failure ends the others, as torchrun's agent does."""
+    ctx = multiprocessing.get_context("forkserver")
+    outs = []
+    for _ in jobs:
+        fd, path = tempfile.mkstemp(prefix="moescale-doc-", suffix=".out")
+        os.close(fd)
+        outs.append(Path(path))
+    procs = [ctx.Process(target=_child, args=(argv, str(cwd), env, str(out)))
+             for (argv, env), out in zip(jobs, outs)]
+    for proc in procs:
+        proc.start()
+    deadline, code = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        codes = [proc.exitcode for proc in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed or all(c == 0 for c in codes):
+            code = failed[0] if failed else 0
+            break
+        time.sleep(0.05)
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+        proc.join(10)
+    output = []
+    for out in outs:
+        try:
+            output.append(out.read_text(encoding="utf-8", errors="replace"))
+        finally:
+            out.unlink(missing_ok=True)
+    return code, output
+
+
 def run_warm(argv: list[str], cwd: Path, env: dict[str, str],
              timeout_s: float) -> tuple[int | None, str]:
     """(exit code, or None if it ran past timeout_s and was killed; its output)."""
-    fd, out_path = tempfile.mkstemp(prefix="moescale-doc-", suffix=".out")
-    os.close(fd)
-    out_path = Path(out_path)
-    ctx = multiprocessing.get_context("forkserver")
-    proc = ctx.Process(target=_child, args=(argv, str(cwd), env, str(out_path)))
-    proc.start()
-    proc.join(timeout_s)
-    code = proc.exitcode
-    if code is None:
-        proc.kill()
-        proc.join(10)
-    try:
-        output = out_path.read_text(encoding="utf-8", errors="replace")
-    finally:
-        out_path.unlink(missing_ok=True)
+    code, (output,) = _run_forked([(argv, env)], cwd, timeout_s)
     return code, output
 
 
@@ -135,13 +159,6 @@ def torchrun_ranks(argv: list[str]) -> tuple[int, list[str]] | None:
     return None
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_environment(env: dict[str, str], rank: int, ranks: int, port: int,
                          run_id: str) -> dict[str, str]:
     """What torchrun's agent sets for worker `rank` of `ranks` on one node."""
@@ -161,36 +178,8 @@ def run_warm_torchrun(ranks: int, args: list[str], cwd: Path, env: dict[str, str
     """`torchrun --nproc-per-node ranks -m moescale *args` with the ranks forked from the
     warm fork server: (exit code: 0, the first failing rank's, or None past timeout_s; the
     ranks' outputs one after another, each under a `[rank r]` line)."""
-    ctx = multiprocessing.get_context("forkserver")
-    port, run_id = _free_port(), uuid.uuid4().hex[:12]
-    outs = []
-    for _ in range(ranks):
-        fd, path = tempfile.mkstemp(prefix="moescale-doc-rank-", suffix=".out")
-        os.close(fd)
-        outs.append(Path(path))
-    procs = [ctx.Process(target=_child, args=(["moescale"] + list(args), str(cwd),
-                                              torchrun_environment(env, r, ranks, port, run_id),
-                                              str(outs[r])))
-             for r in range(ranks)]
-    for proc in procs:
-        proc.start()
-    deadline, code = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        codes = [proc.exitcode for proc in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed or all(c == 0 for c in codes):
-            code = failed[0] if failed else 0
-            break
-        time.sleep(0.05)
-    for proc in procs:                       # a failure ends the other ranks, as torchrun does
-        if proc.exitcode is None:
-            proc.kill()
-        proc.join(10)
-    output = []
-    for rank, path in enumerate(outs):
-        try:
-            output.append(f"[rank {rank}]\n" + path.read_text(encoding="utf-8",
-                                                                errors="replace"))
-        finally:
-            path.unlink(missing_ok=True)
-    return code, "".join(output)
+    port, run_id = free_port(), uuid.uuid4().hex[:12]
+    jobs = [(["moescale"] + list(args), torchrun_environment(env, r, ranks, port, run_id))
+            for r in range(ranks)]
+    code, outputs = _run_forked(jobs, cwd, timeout_s)
+    return code, "".join(f"[rank {r}]\n{out}" for r, out in enumerate(outputs))
