@@ -170,7 +170,7 @@ def moe_helpers() -> type[Helpers]:
 # starts it first, and run_local (torch only) would otherwise start it before the fault tests'
 # Launcher: then each of their ~40 trainer processes imported these itself (the kill loop took
 # 31 s in the whole suite, 5 s alone). The doc blocks' `moescale` commands and scripts are forked
-# from it too (tests/docs/warm_runner.py).
+# from it too (tests/warm_runner.py).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "moescale.train.trainer", "torch._dynamo",
                       "matplotlib.pyplot", "moescale.cli"]
 SPAWNING_DIRS = ("parallel/", "faults/", "train/", "bench/", "expert_state/", "offload/",
@@ -183,7 +183,7 @@ def pytest_collection_finish(session):
     The server (and so every process forked from it that does not redirect its own output, e.g.
     run_local's ranks; their errors come back through run_local) writes to /dev/null, not into
     the output pytest is capturing at that moment: the doc scripts' ranks come from this server
-    too (tests/docs/warm_runner.py) and would print into the progress line."""
+    too (tests/warm_runner.py) and would print into the progress line."""
     if any(item.nodeid.removeprefix("tests/").startswith(SPAWNING_DIRS)
            for item in session.items):
         import multiprocessing

@@ -10,6 +10,7 @@ text the one line must contain (the value, or the file, it is about).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from fault_helpers import tiny_args
+from warm_runner import run_warm
 
 from moescale.cli import main
 from moescale.train.checkpoint import save_checkpoint
@@ -209,7 +211,9 @@ BAD = [
     ("resume-a-file", ["--resume", "{tmp}/notes.txt"], "notes.txt"),
 ]
 
-# run through the real command too (fork + exec of `python -m moescale`)
+# run in a process of their own too: the first as the real command (fork + exec of
+# `python -m moescale`), the others as `moescale` forked from the test session's warm fork
+# server (tests/warm_runner.py: the same main, without a fresh interpreter importing torch)
 REAL = ["threads-100000", "batch-1e11", "config-array", "resume-undecodable", "seed-65bit"]
 
 CONFIGS = {
@@ -283,11 +287,15 @@ def test_bad_input_is_one_line_exit_2(case, args, expect, files, corpus, tmp_pat
 @pytest.mark.timeout(120)
 def test_bad_input_through_the_real_command(files, corpus, tmp_path):
     rows = {row[0]: row for row in BAD}
-    procs = {case: subprocess.Popen([sys.executable, "-m", "moescale",
-                                     *_argv(rows[case][1], files, corpus, tmp_path / case)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    cwd=tmp_path)
-             for case in REAL}
-    for case, proc in procs.items():
-        _, err = proc.communicate(timeout=100)
-        _check(proc.returncode, err, rows[case][2], files)
+    first, *others = REAL
+    proc = subprocess.Popen([sys.executable, "-m", "moescale",
+                             *_argv(rows[first][1], files, corpus, tmp_path / first)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    for case in others:
+        code, output = run_warm(["moescale", *_argv(rows[case][1], files, corpus,
+                                                     tmp_path / case)], tmp_path,
+                                dict(os.environ), 100)
+        _check(code, output, rows[case][2], files)
+    _, err = proc.communicate(timeout=100)
+    _check(proc.returncode, err, rows[first][2], files)

@@ -106,10 +106,12 @@ def test_disk_traffic_counts_the_bytes_the_store_moves(tmp_path, slots, saved):
     """Steady-state steps of a real disk-tier store (2 layers x 8 experts, rows padded to
     4096 bytes, a cache of N/4, N/2 and all N = 16 records) read and write what
     planner.disk_traffic says: forward master rows, then master + moments read and written.
-    Usually exactly, but under CPU load the store's read-ahead sometimes loses its slot to a
-    foreground access and reads a record again (up to +30% seen at a cache of N/4 with a load
-    of 9 on 2 cores), so the least a steady-state step moved is compared: the scheme's bytes,
-    which the planner counts, are the floor that every clean step meets."""
+    Usually exactly, but thread timing moves single steps both ways: under CPU load the
+    store's read-ahead sometimes loses its slot to a foreground access and reads a record again
+    (up to +30% seen at a cache of N/4 with a load of 9 on 2 cores), and once in a whole-suite
+    run a step at a cache of N/4 read 2 rows fewer (a record still cached from the step
+    before). So the check is that the scheme's bytes, which the planner counts, are what some
+    steady-state step moved exactly, and that no step is more than 40% off them."""
     import torch
     from moescale.bench.offload import MoEStack, training_step
     from moescale.offload import OffloadConfig, offload_moe
@@ -142,9 +144,11 @@ def test_disk_traffic_counts_the_bytes_the_store_moves(tmp_path, slots, saved):
         moved.append((store.bytes_read - before[0], store.bytes_written - before[1]))
     engine.close()
     steady = moved[1:]                                    # the first step fills the cache
-    got_read, got_written = min(m[0] for m in steady), min(m[1] for m in steady)
-    assert got_read == pytest.approx(read, rel=0.05, abs=row), moved
-    assert got_written == pytest.approx(written, rel=0.05), moved
+    assert read in [m[0] for m in steady], moved
+    assert written in [m[1] for m in steady], moved
+    for got_read, got_written in steady:
+        assert abs(got_read - read) <= 0.4 * read + row, moved
+        assert abs(got_written - written) <= 0.4 * written, moved
 
 
 def test_disk_traffic_with_accumulation_adds_master_and_gradient_rows():

@@ -1,7 +1,10 @@
 """Run under torchrun: the expert-parallel layer from torchrun's environment, checked against
-the single-process layer on this rank's tokens (used by test_torchrun.py)."""
+the single-process layer on this rank's tokens (used by test_torchrun.py). Each rank also
+prints the launcher variables it was given, as one `ENV {json}` line."""
 
 import copy
+import json
+import os
 
 import torch
 
@@ -11,7 +14,14 @@ from moescale.parallel.groups import ParallelConfig
 from moescale.parallel.setup import setup_expert_parallel
 
 
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                    "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                    "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS")
+
+
 def main() -> None:
+    print("ENV " + json.dumps({k: os.environ.get(k) for k in LAUNCH_VARIABLES}), flush=True)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(MoE(8, 4, 2, d_ff=16), torch.nn.Tanh())

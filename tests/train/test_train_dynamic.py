@@ -4,10 +4,10 @@ The experts live in one host copy in /dev/shm shared by both ranks; every MoE ca
 by LPT (+ hot-expert splitting). The single-process equivalent is plain device-only training of
 the same config (torch's AdamW, global-norm clipping): every rank takes its slice of the same
 global batch. Checked here: two micro-batches per step (experts resident, and on the disk tier)
-match the single-process run and the logged load covers both calls of every layer; the torchrun
-CLI runs it (rank 0 prints the
-summary's load line); bad launches are ValueErrors. Twenty steps equal to single-process
-training, the per-step load fields, the consolidated checkpoint, /dev/shm left clean and resuming
+match the single-process run and the logged load covers both calls of every layer;
+`torchrun --nproc-per-node 2 -m moescale train` runs it (rank 0 prints the summary's load line;
+the ranks forked with torchrun's worker variables: tests/warm_runner.py); bad launches are
+ValueErrors. Twenty steps equal to single-process training, the per-step load fields, the consolidated checkpoint, /dev/shm left clean and resuming
 across layouts are tests/train/test_setup_matrix.py's (dynamic row); bad option combinations:
 test_config_and_data.py; several nodes: test_train_nodes.py."""
 
@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,6 +23,7 @@ from moescale.train.launch import train_distributed
 from moescale.train.config import load_config
 from moescale.train.trainer import Trainer
 from train_helpers import TINY, as_argv, assert_same_run, run_records
+from warm_runner import run_warm_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -69,15 +67,12 @@ def test_gradient_accumulation(corpus, accum_single, tmp_path, residency):
 @pytest.mark.timeout(120)
 def test_torchrun_cli(corpus, tmp_path):
     options = dict(TINY, **{"train.steps": "4", "train.eval_interval": "0"})
-    torchrun = Path(sys.executable).parent / "torchrun"
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
-                           "moescale", "train", *as_argv(options), "--data.path", str(corpus),
-                           "--parallel.placement", "dynamic", "--train.run_dir",
-                           str(tmp_path / "run")], capture_output=True, text=True, timeout=100,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("device load:  max/mean") == 1      # rank 0 prints it
-    assert "shared by the 2 local ranks" in proc.stdout
+    argv = ["train", *as_argv(options), "--data.path", str(corpus), "--parallel.placement",
+            "dynamic", "--train.run_dir", str(tmp_path / "run")]
+    code, output = run_warm_torchrun(2, argv, tmp_path, dict(os.environ), 100)
+    assert code == 0, output[-6000:]
+    assert output.count("device load:  max/mean") == 1      # rank 0 prints it
+    assert "shared by the 2 local ranks" in output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mean_device_load_max_over_mean"] >= 1.0
 

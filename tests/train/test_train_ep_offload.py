@@ -1,5 +1,6 @@
 """`moescale train` with expert parallelism AND offloaded experts on 2 gloo ranks (real
-processes), through `torchrun ... -m moescale train` and train_distributed (its Python twin).
+processes), through `torchrun --nproc-per-node 2 -m moescale train` (its ranks forked with
+torchrun's worker variables: tests/warm_runner.py) and train_distributed (its Python twin).
 
 Each rank owns 2 of the 4 experts of every MoE layer, in its own ExpertStore (files under
 expert-store/rank<r> for the disk tier), streamed through a 2-expert device budget and stepped
@@ -17,9 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
 from train_helpers import TINY, as_argv, tiny_run_config
+from warm_runner import run_warm_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -82,14 +81,12 @@ def test_disk_offloaded_shards_train_like_one_process_under_torchrun(corpus, sin
         "offload.mode": "disk", "data.path": str(corpus), "train.steps": str(STEPS),
         "train.eval_interval": "10", "train.checkpoint_interval": "10", "train.keep_last": "2",
         "train.run_dir": str(run_dir)})
-    torchrun = Path(sys.executable).parent / "torchrun"
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
-                           "moescale", "train", *as_argv(options)], capture_output=True,
-                          text=True, timeout=100, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("run dir:") == 1          # only rank 0 prints the summary
-    assert proc.stdout.count("device load:  max/mean") == 1
-    assert "split over 2 expert-parallel ranks" in proc.stdout
+    code, output = run_warm_torchrun(2, ["train", *as_argv(options)], tmp_path,
+                                     dict(os.environ), 100)
+    assert code == 0, output[-6000:]
+    assert output.count("run dir:") == 1          # only rank 0 prints the summary
+    assert output.count("device load:  max/mean") == 1
+    assert "split over 2 expert-parallel ranks" in output
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["offload_plan"] == "disk"
     _assert_same(_records(run_dir), _records(single))

@@ -8,22 +8,19 @@ the end the two nodes' stores hold bitwise-equal expert masters, AdamW moments a
 counts (and the stores differ from the initial experts, so the check can fail); every step
 logs the modelled load over all 4 devices; the consolidated checkpoint of the 2 x 2 run
 resumes in one process, and a single-process checkpoint on 2 x 2, with the uninterrupted
-losses; two torchrun agents as the two machines
-of `torchrun --nnodes 2` (node_size 0) give the single-process losses too; bad node layouts are ValueErrors that
+losses; the 4 ranks of `torchrun --nnodes 2 --nproc-per-node 2` on two machines (node_size 0)
+give the single-process losses too; bad node layouts are ValueErrors that
 name the fix (node_layout on its own, through check_launch, and the config)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from moescale.parallel.launch import free_port, run_local
+from moescale.parallel.launch import run_local
 from moescale.parallel.nodes import node_layout, node_share
 from moescale.train.assembly import check_parts
 from moescale.shared_store.node_store import shm_directory
@@ -32,6 +29,7 @@ from moescale.train.config import load_config, to_dict
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
 from train_helpers import TINY, as_argv, assert_same_run, continue_run, run_records, small_corpus
+from warm_runner import run_warm_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -115,26 +113,17 @@ def test_a_single_process_checkpoint_resumes_on_two_nodes(runs, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_torchrun_on_two_machines(runs, tmp_path):
-    """Two torchrun agents on this machine as the two machines of `torchrun --nnodes 2`
-    (node_size 0: LOCAL_WORLD_SIZE, numbering checked against GROUP_RANK / LOCAL_RANK)."""
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m moescale train` as the two machines (node_size
+    0: LOCAL_WORLD_SIZE, numbering checked against GROUP_RANK / LOCAL_RANK): the 4 ranks forked
+    with the variables torchrun's two agents give their workers (tests/warm_runner.py; checked
+    against a real torchrun's in tests/parallel/test_torchrun.py)."""
     single, _, _, _, options = runs
     before = {n for n in os.listdir(shm_directory()) if n.startswith("moescale-store-")}
-    torchrun, port = Path(sys.executable).parent / "torchrun", str(free_port())
-    argv = as_argv(dict(options, **{"parallel.placement": "dynamic",
-                                    "train.run_dir": str(tmp_path / "run")}))
-    procs = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--node-rank", str(k),
-                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                               "--master-port", port, "-m", "moescale", "train", *argv],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-             for k in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    assert "2 local ranks on each of 2 nodes" in outs[0]
+    argv = ["train", *as_argv(dict(options, **{"parallel.placement": "dynamic",
+                                               "train.run_dir": str(tmp_path / "run")}))]
+    code, output = run_warm_torchrun(2, argv, tmp_path, dict(os.environ), 120, nodes=2)
+    assert code == 0, output[-6000:]
+    assert "2 local ranks on each of 2 nodes" in output
     assert_same_run(run_records(tmp_path / "run"), run_records(single))
     assert {n for n in os.listdir(shm_directory()) if n.startswith("moescale-store-")} == before
 

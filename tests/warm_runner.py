@@ -1,5 +1,5 @@
-"""Run a doc block's `moescale ...` command or python script in a process forked from the
-test session's warm fork server, instead of a fresh interpreter.
+"""Run a `moescale ...` command (a doc block's, a trainer test's) or a doc block's python script in
+a process forked from the test session's warm fork server, instead of a fresh interpreter.
 
 A fresh `moescale train` spends about 3.5 s of its few seconds importing torch and
 torch._dynamo (the first optimizer imports it) before it reads an option; the session's
@@ -22,9 +22,11 @@ TORCHELASTIC_RUN_ID / RESTART_COUNT / MAX_RESTARTS, OMP_NUM_THREADS=1), rank 0 h
 rendezvous store; like torchrun's agent, the first rank to fail ends the others and its exit
 code is the command's. That saves a fresh torchrun launcher and N fresh interpreters per
 command (~7 s of a 2-step 2-rank run, ~12 s at 4 ranks). What it does not run is torchrun's
-own launcher: the real `torchrun` runs in tests/parallel/test_torchrun.py and the trainer's
-torchrun tests (tests/train: test_train_nodes, test_train_dynamic, test_train_ep_offload),
-and any other torchrun command line (several nodes, a script) runs the real launcher here too.
+own launcher: the real `torchrun` runs in tests/parallel/test_torchrun.py, which also checks
+that its workers' variables are the ones given here, and any other torchrun command line in a
+doc block (several nodes, a script) runs the real launcher. The trainer's torchrun tests
+(tests/train: test_train_nodes, test_train_dynamic, test_train_ep_offload) fork their ranks
+the same way (`run_warm_torchrun`, `nodes` > 1 for machines of `torchrun --nnodes`).
 A python script's own forkserver processes (run_local's ranks) come from the session's
 server as well (`_reuse_session_fork_server`), instead of a fresh server per script.
 MOESCALE_DOC_FRESH=1 runs everything fresh, torchrun included.
@@ -160,26 +162,31 @@ def torchrun_ranks(argv: list[str]) -> tuple[int, list[str]] | None:
 
 
 def torchrun_environment(env: dict[str, str], rank: int, ranks: int, port: int,
-                         run_id: str) -> dict[str, str]:
-    """What torchrun's agent sets for worker `rank` of `ranks` on one node."""
+                         run_id: str, nodes: int = 1) -> dict[str, str]:
+    """What torchrun's agents set for worker `rank` (global, node-major) of `ranks` per node on
+    `nodes` machines (`torchrun --nnodes nodes --nproc-per-node ranks`). Checked against a real
+    torchrun's workers in tests/parallel/test_torchrun.py."""
+    world, (node, local) = ranks * nodes, divmod(rank, ranks)
     worker = dict(env)
-    worker.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                  ROLE_NAME="default", WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                  GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
-                  TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+    worker.update(RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(node),
+                  ROLE_RANK=str(rank), ROLE_NAME="default", WORLD_SIZE=str(world),
+                  LOCAL_WORLD_SIZE=str(ranks), GROUP_WORLD_SIZE=str(nodes),
+                  ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                  TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0",
+                  TORCHELASTIC_MAX_RESTARTS="0")
     if ranks > 1:
         worker.setdefault("OMP_NUM_THREADS", "1")
     return worker
 
 
 def run_warm_torchrun(ranks: int, args: list[str], cwd: Path, env: dict[str, str],
-                      timeout_s: float) -> tuple[int | None, str]:
-    """`torchrun --nproc-per-node ranks -m moescale *args` with the ranks forked from the
-    warm fork server: (exit code: 0, the first failing rank's, or None past timeout_s; the
-    ranks' outputs one after another, each under a `[rank r]` line)."""
+                      timeout_s: float, nodes: int = 1) -> tuple[int | None, str]:
+    """`torchrun [--nnodes nodes] --nproc-per-node ranks -m moescale *args` (every node on this
+    machine) with the ranks forked from the warm fork server: (exit code: 0, the first failing
+    rank's, or None past timeout_s; the ranks' outputs one after another, each under a
+    `[rank r]` line)."""
     port, run_id = free_port(), uuid.uuid4().hex[:12]
-    jobs = [(["moescale"] + list(args), torchrun_environment(env, r, ranks, port, run_id))
-            for r in range(ranks)]
+    jobs = [(["moescale"] + list(args), torchrun_environment(env, r, ranks, port, run_id, nodes))
+            for r in range(ranks * nodes)]
     code, outputs = _run_forked(jobs, cwd, timeout_s)
     return code, "".join(f"[rank {r}]\n{out}" for r, out in enumerate(outputs))
