@@ -51,13 +51,29 @@ SPAWNING_DIRS = ("parallel/", "faults/", "train/", "bench/", "expert_state/", "o
                  "docs/")
 
 
+def check_groups_hold(session) -> None:
+    """Under `--dist loadgroup` (in a worker) every test marked xdist_group must carry its group in
+    its node id, which is how pytest-xdist keeps a group on one worker; with pytest 9.2 and
+    pytest-xdist 3.8 it silently did not, and every worker built each shared baseline again."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): this "
+            "pytest-xdist does not work with this pytest; install the versions pyproject.toml's "
+            "dev extra names (bash scripts/setup.sh)")
+
+
 def pytest_collection_finish(session):
     """Start the fork server with FORKSERVER_PRELOAD when a selected test may fork from it.
 
     The server (and so every process forked from it that does not redirect its own output, e.g.
     run_local's ranks; their errors come back through run_local) writes to /dev/null, not into
     the output pytest is capturing at that moment: the doc scripts' ranks come from this server
-    too (tests/warm_runner.py) and would print into the progress line."""
+    too (tests/warm_runner.py) and would print into the progress line. First: the groups hold."""
+    check_groups_hold(session)
     if any(item.nodeid.removeprefix("tests/").startswith(SPAWNING_DIRS)
            for item in session.items):
         import multiprocessing
