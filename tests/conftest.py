@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -60,10 +61,13 @@ def check_groups_hold(session) -> None:
     lost = [item.nodeid for item in session.items
             if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
     if lost:
-        raise pytest.UsageError(
-            f"--dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): this "
-            "pytest-xdist does not work with this pytest; install the versions pyproject.toml's "
-            "dev extra names (bash scripts/setup.sh)")
+        message = (f"--dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): this "
+                   "pytest-xdist does not work with this pytest; install the versions "
+                   "pyproject.toml's dev extra names (bash scripts/setup.sh)")
+        capture = session.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():      # a worker's exit reason is not shown
+            sys.stderr.write(f"\n{message}\n")
+        raise pytest.UsageError(message)
 
 
 def pytest_collection_finish(session):
