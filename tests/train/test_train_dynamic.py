@@ -7,8 +7,9 @@ global batch. Checked here: two micro-batches per step (experts resident, and on
 match the single-process run and the logged load covers both calls of every layer;
 `torchrun --nproc-per-node 2 -m moescale train` runs it (rank 0 prints the summary's load line;
 the ranks forked with torchrun's worker variables: tests/warm_runner.py); bad launches are
-ValueErrors. Twenty steps equal to single-process training, the per-step load fields, the consolidated checkpoint, /dev/shm left clean and resuming
-across layouts are tests/train/test_setup_matrix.py's (dynamic row); bad option combinations:
+ValueErrors. Twenty steps equal to single-process training, the per-step load fields, the
+consolidated checkpoint, /dev/shm left clean and resuming across layouts are
+tests/train/test_setup_matrix.py's (dynamic row); bad option combinations:
 test_config_and_data.py; several nodes: test_train_nodes.py."""
 
 from __future__ import annotations
