@@ -4,9 +4,12 @@ Each measurement runs in a fresh Python process (`python -m moescale.bench.layer
 that no other implementation's freed heap is reused or counted: it builds the same case as the
 benchmark (same weights, same input), runs one warm-up step (one-time allocations: oneDNN
 scratch, thread pools, the first weight gradients), drops the gradients, returns freed heap to
-the kernel (`malloc_trim(0)`), reads VmRSS, resets the high-water mark (`/proc/self/clear_refs`
-with "5") and runs one more step; the delta is VmHWM - VmRSS. It therefore counts everything a
-step allocates and touches: saved activations, transients and the weight gradients. As in
+the kernel (`malloc_trim(0)`; moescale's layer also drops the gradient storage it keeps from
+one backward to the next, layers/grad_buffers.py, so that its weight gradients are counted as
+memory the step needs, as the floors' are), reads VmRSS, resets the high-water mark
+(`/proc/self/clear_refs` with "5") and runs one more step; the delta is VmHWM - VmRSS. It
+therefore counts everything a step allocates and touches: saved activations, transients and
+the weight gradients. As in
 `bench ep-memory`, glibc is told first to hand every freed block of 64 KiB or more back to the
 kernel at once (`ep_memory_rank.release_freed_memory`), so the resident set follows the live
 tensors (the step's working set), not what the heap happens to keep of freed ones.
@@ -68,9 +71,14 @@ def _child(spec: dict) -> dict:
     case = layer.LayerCase(**spec["case"])
     if "deepspeed" in opts.peers:
         ensure_process_group()
-    _, built = layer.build_candidates(case, layer.DTYPES[spec["dtype"]], opts)
+    moe, built = layer.build_candidates(case, layer.DTYPES[spec["dtype"]], opts)
     cand = next(c for c in built if isinstance(c, Candidate) and c.name == spec["impl"])
-    return {"impl": cand.name, "rss_delta_bytes": step_rss_delta(cand.step, cand.reset)}
+
+    def reset() -> None:
+        cand.reset()
+        if cand.family == "moescale":       # its kept gradient storage counts as the step's
+            moe.experts.release_grad_buffers()
+    return {"impl": cand.name, "rss_delta_bytes": step_rss_delta(cand.step, reset)}
 
 
 def measure(impl: str, family: str, case, dtype_name: str, opts, timeout_s: float = 900.0):

@@ -20,6 +20,7 @@ from torch import nn
 
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.activations import Activation
+from moescale.layers.grad_buffers import GradBuffers
 from moescale.layers.grouped_ffn import FFNWeights
 from moescale.layers.grouped_ffn_autograd import GroupedFFNRouted, GroupedFFNRows
 from moescale.layers.protocol import FFN_SHAPE, GROUPED_WEIGHTS, ROUTED
@@ -62,6 +63,9 @@ class GroupedExperts(nn.Module):
         # generator, so experts built on the meta device (offloaded, initialised one at a
         # time by init_values) get the very numbers a materialised build gets
         self.init_seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
+        # the stacked weight gradients' storage, kept from one backward to the next on a CPU
+        # (grad_buffers.py: no page faults per step; `release_grad_buffers()` drops it)
+        self.grad_buffers = GradBuffers()
         self.reset_parameters()
 
     def init_values(self, e: int, std: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
@@ -101,6 +105,11 @@ class GroupedExperts(nn.Module):
     def expert_ids(self) -> range:
         return range(self.num_experts)
 
+    def release_grad_buffers(self) -> None:
+        """Hand back the gradient storage kept between backward passes (grad_buffers.py), e.g.
+        before evaluation; a .grad still set stays valid."""
+        self.grad_buffers.release()
+
     @property
     def bias(self) -> bool:
         return self.b1_EF is not None
@@ -115,15 +124,16 @@ class GroupedExperts(nn.Module):
     def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         x_RD = x_RD.to(compute_dtype(x_RD))
         w = self.weights(x_RD.dtype)
-        return GroupedFFNRows.apply(x_RD.contiguous(), tuple(counts), self.act, w.w1_EDF,
-                                    w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
+        return GroupedFFNRows.apply(x_RD.contiguous(), tuple(counts), self.act,
+                                    self.grad_buffers, w.w1_EDF, w.w2_EFD, w.w3_EDF, w.b1_EF,
+                                    w.b2_ED)
 
     def forward_routed(self, x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         x_TD = x_TD.to(compute_dtype(x_TD))
         w = self.weights(x_TD.dtype)
         return GroupedFFNRouted.apply(x_TD.contiguous(), plan.scores_R, plan.token_idx_R,
-                                      tuple(plan.counts), self.act, w.w1_EDF, w.w2_EFD,
-                                      w.w3_EDF, w.b1_EF, w.b2_ED)
+                                      tuple(plan.counts), self.act, self.grad_buffers,
+                                      w.w1_EDF, w.w2_EFD, w.w3_EDF, w.b1_EF, w.b2_ED)
 
     def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x_ND with plain autograd ops (slow; the reference uses it)."""

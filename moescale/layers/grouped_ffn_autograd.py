@@ -46,11 +46,11 @@ class GroupedFFNRows(torch.autograd.Function):
     """y_RD = ffn_e(x_RD) on rows grouped by expert (the seam for all-to-all and offloading)."""
 
     @staticmethod
-    def forward(ctx, x_RD, counts, act, w1, w2, w3, b1, b2):
+    def forward(ctx, x_RD, counts, act, grad_buffers, w1, w2, w3, b1, b2):
         w = FFNWeights(w1, w2, w3, b1, b2)
         with torch.autocast(x_RD.device.type, enabled=False):
             y_RD, h1_RF, h3_RF = ffn_forward(x_RD, counts, w, act)
-        ctx.counts, ctx.act = counts, act
+        ctx.counts, ctx.act, ctx.grad_buffers = counts, act, grad_buffers
         ctx.hidden_ptrs = (hidden_pointer(h1_RF), hidden_pointer(h3_RF))
         ctx.save_for_backward(x_RD, h1_RF, h3_RF, w1, w2, w3, b1, b2)
         return y_RD
@@ -58,13 +58,14 @@ class GroupedFFNRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy_RD):
         x_RD, h1_RF, h3_RF, *wts = ctx.saved_tensors
-        w_needs = ctx.needs_input_grad[3:]
+        w_needs = ctx.needs_input_grad[4:]
         with torch.autocast(x_RD.device.type, enabled=False):
             dx_RD, gw, _ = ffn_backward(gy_RD.contiguous(), x_RD, h1_RF, h3_RF, ctx.counts,
                                         _weights_from(wts), ctx.act,
                                         need_dx=ctx.needs_input_grad[0], need_dw=any(w_needs),
-                                        release_hidden=_release(ctx, h1_RF, h3_RF))
-        return (dx_RD, None, None) + _grads_tuple(gw, w_needs)
+                                        release_hidden=_release(ctx, h1_RF, h3_RF),
+                                        grad_buffers=ctx.grad_buffers)
+        return (dx_RD, None, None, None) + _grads_tuple(gw, w_needs)
 
 
 def token_slots(token_idx_R: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -116,7 +117,8 @@ class GroupedFFNRouted(torch.autograd.Function):
     """y_TD = sum over rows r of token t: scores_r * ffn_e(x_TD[t]): gather, experts, combine."""
 
     @staticmethod
-    def forward(ctx, x_TD, scores_R, token_idx_R, counts, act, w1, w2, w3, b1, b2):
+    def forward(ctx, x_TD, scores_R, token_idx_R, counts, act, grad_buffers, w1, w2, w3, b1,
+                b2):
         w = FFNWeights(w1, w2, w3, b1, b2)
         work = work_dtype(x_TD)
         num_rows = token_idx_R.shape[0]
@@ -133,7 +135,7 @@ class GroupedFFNRouted(torch.autograd.Function):
                 y_dest=lambda s, t, n, y_XD=y_XD: y_XD[s:t], y_done=y_done, like=x_TD)
             y_TD = gather_sum(y_XD, inv_JT).to(x_TD.dtype)
             del y_XD
-        ctx.counts, ctx.act = counts, act
+        ctx.counts, ctx.act, ctx.grad_buffers = counts, act, grad_buffers
         ctx.hidden_ptrs = (hidden_pointer(h1_RF), hidden_pointer(h3_RF))
         ctx.save_for_backward(x_TD, scores_R, token_idx_R, inv_JT, h1_RF, h3_RF,
                               w1, w2, w3, b1, b2)
@@ -142,7 +144,7 @@ class GroupedFFNRouted(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy_TD):
         x_TD, scores_R, token_idx_R, inv_JT, h1_RF, h3_RF, *wts = ctx.saved_tensors
-        w_needs = ctx.needs_input_grad[5:]
+        w_needs = ctx.needs_input_grad[6:]
         need_dx = ctx.needs_input_grad[0]
         work = work_dtype(x_TD)
         num_rows = token_idx_R.shape[0]
@@ -155,7 +157,7 @@ class GroupedFFNRouted(torch.autograd.Function):
                 gy_rows=lambda s, t: gy_TD.index_select(0, token_idx_R[s:t]).to(work),
                 dx_dest=(lambda s, t, n: dx_XD[s:t]) if need_dx else None, dx_done=None,
                 scale_R=scores_R, need_dw=any(w_needs),
-                release_hidden=_release(ctx, h1_RF, h3_RF))
+                release_hidden=_release(ctx, h1_RF, h3_RF), grad_buffers=ctx.grad_buffers)
             dx_TD = gather_sum(dx_XD, inv_JT).to(x_TD.dtype) if need_dx else None
         dscale_R = dscale_R.to(scores_R.dtype) if ctx.needs_input_grad[1] else None
-        return (dx_TD, dscale_R, None, None, None) + _grads_tuple(gw, w_needs)
+        return (dx_TD, dscale_R, None, None, None, None) + _grads_tuple(gw, w_needs)

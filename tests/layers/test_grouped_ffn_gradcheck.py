@@ -47,7 +47,7 @@ def test_grouped_rows_backward_passes_gradcheck(activation, glu, bias):
     def f(x_RD, *params):
         it = iter(params)
         full = [next(it) if t is not None else None for t in w]
-        return GroupedFFNRows.apply(x_RD, COUNTS, act, *full)
+        return GroupedFFNRows.apply(x_RD, COUNTS, act, None, *full)
     assert torch.autograd.gradcheck(f, (x_RD, *present), fast_mode=True)
 
 
@@ -65,5 +65,5 @@ def test_grouped_routed_backward_passes_gradcheck_for_input_scores_and_weights(a
     def f(x_TD, scores_R, *params):
         it = iter(params)
         full = [next(it) if t is not None else None for t in w]
-        return GroupedFFNRouted.apply(x_TD, scores_R, token_idx_R, COUNTS, act, *full)
+        return GroupedFFNRouted.apply(x_TD, scores_R, token_idx_R, COUNTS, act, None, *full)
     assert torch.autograd.gradcheck(f, (x_TD, scores_R, *present), fast_mode=True)
