@@ -2,7 +2,8 @@
 
 Rows arrive grouped by expert (`counts[e]` consecutive rows each). The kernels walk the rows in
 chunks (one expert's rows, split past `chunk_rows` rows) and do all the elementwise work of a
-chunk in small reused buffers that stay in cache; only what backward needs is full size: the
+chunk in small reused buffers (backward's in blocks of `elementwise_rows` rows, each block's
+passes back to back while it is in a core's cache); only what backward needs is full size: the
 pre-activation hidden `h1_RF` (and the GLU gate input `h3_RF`), written by the GEMMs straight
 into its slice. Each expert's weight gradient is written straight into its slice of one stacked
 gradient. Nothing indexes a stacked weight inside autograd, so no expert pays a zero-filled
@@ -12,9 +13,9 @@ page faults that can rival the GEMMs on a CPU).
 Saved for backward: the layer input and the pre-activation hidden(s); the activation is
 recomputed per chunk, and (`release_hidden`) each chunk's pages of the saved hidden go back to
 the kernel once its backward is done (page_release.py), so that the weight gradients written
-expert by expert replace the hidden instead of adding to it at the peak. The autograd Functions that wire these kernels in (`GroupedFFNRows`, and
-`GroupedFFNRouted`, which fuses gather, score weighting and combine) live in
-grouped_ffn_autograd.py.
+expert by expert replace the hidden instead of adding to it at the peak. The autograd
+Functions that wire these kernels in (`GroupedFFNRows`, and `GroupedFFNRouted`, which fuses
+gather, score weighting and combine) live in grouped_ffn_autograd.py.
 
 Kernel choice by what the CPU has, decided once per process and dtype: CPUs with native bf16
 GEMMs (AVX512-BF16, AMX: ~3x fp32's speed on a 2-core EPYC) run bf16 GEMMs with bf16
@@ -44,6 +45,9 @@ from moescale.layers.page_release import release_rows
 # Chunk buffers are sized to about this many bytes (fp32) so they stay in cache / the heap.
 CHUNK_BYTES = 16 << 20
 MIN_CHUNK_ROWS = 256
+# Backward's elementwise passes run over blocks of about this many bytes per N x F tensor.
+ELEMENTWISE_BYTES = 256 << 10
+MIN_ELEMENTWISE_ROWS = 16
 
 
 # CPU instruction-set flags (/proc/cpuinfo names) that give native low-precision GEMMs
@@ -126,6 +130,13 @@ def segments(counts: list[int] | tuple[int, ...]):
         if n:
             yield e, start, start + n
         start += n
+
+
+def elementwise_rows(width: int, dtype: torch.dtype) -> int:
+    """Rows per block of backward's elementwise work: about ELEMENTWISE_BYTES per tensor, so
+    that a block's h1, ga and a stay in a core's L2 cache between the passes over them."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    return max(MIN_ELEMENTWISE_ROWS, ELEMENTWISE_BYTES // (item * max(width, 1)))
 
 
 def chunk_rows(width: int) -> int:
@@ -276,22 +287,33 @@ def _empty_grad(param: torch.Tensor | None, counts, wanted: bool, name: str,
     return grad
 
 
-def _left_t(x_ND: torch.Tensor) -> torch.Tensor:
-    """x^T as a weight-gradient GEMM's left operand (x^T @ dh): made contiguous for a native
-    low-precision GEMM, whose transposed left operand costs 1.7-1.9x the time (oneDNN bf16,
-    one thread, 2-core EPYC: 64 experts x 256 rows, D 512, F 2048: 86.5 vs 47.3 ms with the
-    copy; 16 x 512 rows, D 1024, F 4096: 124 vs 67 ms); fp32 GEMMs take the view as fast."""
+def _left_t(x_ND: torch.Tensor, scale_N1: torch.Tensor | None) -> torch.Tensor:
+    """(scale * x)^T as a weight-gradient GEMM's left operand (x^T @ dh); copied contiguous
+    for a native low-precision GEMM, whose transposed left operand costs 1.7-1.9x the time
+    (oneDNN bf16, one thread, 2-core EPYC: 64 experts x 256 rows, D 512, F 2048: 86.5 vs
+    47.3 ms with the copy; 16 x 512 rows, D 1024, F 4096: 124 vs 67 ms); fp32 GEMMs take
+    the transposed view as fast. Scaled first, then copied: an elementwise op reading the
+    transposed view runs ~3x as long as the two (2048 x 512 bf16: 2.9 vs 1.0 ms)."""
+    xs_ND = x_ND if scale_N1 is None else x_ND * scale_N1
     if x_ND.dtype in (torch.bfloat16, torch.float16) and not needs_fp32_gemm(x_ND):
-        return x_ND.t().contiguous()
-    return x_ND.t()
+        return xs_ND.new_empty(xs_ND.shape[1], xs_ND.shape[0]).copy_(xs_ND.t())
+    return xs_ND.t()
 
 
-def _row_dot(a_NF: torch.Tensor, b_NF: torch.Tensor) -> torch.Tensor:
-    """sum_f a[n, f] * b[n, f] (one chunk's rows: the temporary stays chunk-sized).
-
-    `linalg.vecdot` is a fused multiply-sum; a batched (1 x F) @ (F x 1) `bmm` costs 2x
-    (fp32) to 9x (bf16) as much on CPU."""
-    return torch.linalg.vecdot(a_NF, b_NF)
+def _backward_elementwise(act: Activation, h1_BF, h3_BF, ga_BF, a1_BF, h32_BF, a_BF, dh3_BF,
+                          dscale_B) -> None:
+    """One block of rows of backward's elementwise work, in place: a1 = act(h1), a = a1 * h3
+    (GLU, into a_BF), dscale = <ga, a>, dh3 = ga * a1 (GLU), then ga := dh1 = act'(h1) *
+    (ga (* h3)). h32_BF: a work-dtype copy buffer for h1 when dtypes differ."""
+    h1w_BF = h1_BF if h32_BF is None else h32_BF.copy_(h1_BF)
+    act.forward_into(h1w_BF, a1_BF)
+    a_BF = a1_BF if h3_BF is None else torch.mul(a1_BF, h3_BF, out=a_BF)
+    if dscale_B is not None:    # vecdot: a multiply and a row sum (a 1 x F @ F x 1 bmm per
+        dscale_B.copy_(torch.linalg.vecdot(ga_BF, a_BF))    # row: 3-5x as long on CPU)
+    if h3_BF is not None:
+        torch.mul(ga_BF, a1_BF, out=dh3_BF)
+        ga_BF.mul_(h3_BF)
+    act.backward_into(ga_BF, h1w_BF, ga_BF)
 
 
 def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
@@ -321,15 +343,18 @@ def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
     dscale_R = None if scale_R is None else scale_R.new_zeros(
         scale_R.shape[0], dtype=torch.promote_types(scale_R.dtype, torch.float32))
 
+    block = elementwise_rows(hidden, work)
+
     def make_buffers(n_buf: int) -> tuple:
         ga_buf = like.new_empty(n_buf, hidden, dtype=work)
         h_bufs = (None, None) if h1_RF is not None else \
             (like.new_empty(n_buf, hidden), like.new_empty(n_buf, hidden) if glu else None)
-        return (ga_buf, torch.empty_like(ga_buf), torch.empty_like(ga_buf) if glu else None,
+        return (ga_buf, torch.empty_like(ga_buf),
+                (torch.empty_like(ga_buf), torch.empty_like(ga_buf)) if glu else (None, None),
                 torch.empty_like(ga_buf) if work != like.dtype else None, h_bufs)
 
     def body(e, s, t, first, buffers) -> None:
-        ga_buf, a1_buf, a_buf, h32_buf, (h1_buf, h3_buf) = buffers
+        ga_buf, a1_buf, (a_buf, dh3_buf), h32_buf, (h1_buf, h3_buf) = buffers
         first = first and into is None
         n = t - s
         x_ND = x_rows(s, t)
@@ -343,33 +368,34 @@ def ffn_backward_blocks(counts, w: FFNWeights, act: Activation, h1_RF, h3_RF,
         gy_ND = gy_rows(s, t)
         ga_NF = ga_buf[:n]
         mm_into(ga_NF, gy_ND, w.w2_EFD[e].t())
-        h32_NF = None if h32_buf is None else h32_buf[:n]
-        a1_NF = _activate(act, h1_blk, h32_NF, a1_buf[:n])
-        h1_NF = h1_blk if h32_NF is None else h32_NF   # work-dtype copy of h1
-        a_NF = torch.mul(a1_NF, h3_blk, out=a_buf[:n]) if glu else a1_NF
+        # the elementwise work, block by block of rows while they are in cache: a = act(h1)
+        # (* h3), the score gradient <ga, a>, then ga becomes dh1 in place (and dh3 = ga * a1)
+        a_NF = a_buf[:n] if glu else a1_buf[:n]
+        dh3_NF = dh3_buf[:n] if glu else None
+        for b0 in range(0, n, block):
+            b1 = min(n, b0 + block)
+            _backward_elementwise(
+                act, h1_blk[b0:b1], None if h3_blk is None else h3_blk[b0:b1], ga_NF[b0:b1],
+                a1_buf[b0:b1], None if h32_buf is None else h32_buf[b0:b1],
+                a_NF[b0:b1] if glu else None, None if dh3_NF is None else dh3_NF[b0:b1],
+                None if scale_R is None else dscale_R[s + b0:s + b1])
+        dh1_NF = ga_NF
+        if release_hidden and h1_RF is not None:    # the block's last read of h1 and h3
+            release_rows(h1_blk)
+            release_rows(h3_blk)
         scale_N1 = None
         if scale_R is not None:
             # ga stays unscaled: the score multiplies the N x D operands instead (gy for dW2
             # and b2, x for dW1/dW3/b1, dx at the end), a quarter of an N x F pass at F = 4D
-            dscale_R[s:t] = _row_dot(ga_NF, a_NF)
             if w.b2_ED is not None:
                 dscale_R[s:t] += gy_ND.to(dscale_R.dtype) @ w.b2_ED[e].to(dscale_R.dtype)
             scale_N1 = scale_R[s:t].to(work).unsqueeze(1)
             gy_ND = gy_ND * scale_N1
-            x_ND = x_ND * scale_N1
         if need_dw:
             mm_into(gw.w2_EFD[e], a_NF.t(), gy_ND, accumulate=not first)
             if gw.b2_ED is not None:
                 _set_or_add(gw.b2_ED[e], gy_ND.sum(0), first)
-        if glu:
-            dh3_NF = torch.mul(ga_NF, a1_NF, out=a_NF)
-            ga_NF.mul_(h3_blk)
-        dh1_NF = act.backward_into(ga_NF, h1_NF, a1_NF)
-        if release_hidden and h1_RF is not None:    # the block's last read of h1 and h3
-            release_rows(h1_blk)
-            release_rows(h3_blk)
-        if need_dw:
-            xT_DN = _left_t(x_ND)
+            xT_DN = _left_t(x_ND, scale_N1)
             mm_into(gw.w1_EDF[e], xT_DN, dh1_NF, accumulate=not first)
             if gw.b1_EF is not None:
                 db1_F = dh1_NF.sum(0) if scale_N1 is None else \

@@ -37,6 +37,9 @@ def two_threads():
 def tiny_chunks(monkeypatch):
     monkeypatch.setattr(grouped_ffn, "CHUNK_BYTES", 4 * D_FF * 3)   # 3-row chunks
     monkeypatch.setattr(grouped_ffn, "MIN_CHUNK_ROWS", 1)
+    # backward's elementwise work in 2-row blocks: a chunk of 3 rows has a partial block
+    monkeypatch.setattr(grouped_ffn, "ELEMENTWISE_BYTES", 4 * D_FF * 2)
+    monkeypatch.setattr(grouped_ffn, "MIN_ELEMENTWISE_ROWS", 1)
 
 
 def build(capacity_factor, **kw) -> MoE:

@@ -41,11 +41,15 @@ def test_choice_on_this_cpu_matches_the_kernels():
     assert grouped_ffn.lowp_gemm_choice(torch.bfloat16, flags) == kernels
 
 
+@pytest.mark.parametrize("block_rows", [None, 5], ids=["one-block", "5-row-blocks"])
 @pytest.mark.parametrize("choice", ["native", "fp32"])
 @pytest.mark.parametrize("glu", [False, True], ids=["gelu", "glu"])
-def test_forced_choice_matches_fp32_reference(monkeypatch, choice, glu):
+def test_forced_choice_matches_fp32_reference(monkeypatch, choice, glu, block_rows):
     monkeypatch.setattr(grouped_ffn, "_cpu_lacks_fast_lowp",
                         lambda dtype: choice == "fp32" and dtype != torch.float32)
+    if block_rows:      # backward's elementwise blocks split each expert's rows, last partial
+        monkeypatch.setattr(grouped_ffn, "ELEMENTWISE_BYTES", 1)
+        monkeypatch.setattr(grouped_ffn, "MIN_ELEMENTWISE_ROWS", block_rows)
     x16 = torch.empty(1, dtype=torch.bfloat16)
     assert grouped_ffn.needs_fp32_gemm(x16) == (choice == "fp32")
     assert grouped_ffn.work_dtype(x16) == (torch.float32 if choice == "fp32" else torch.bfloat16)
