@@ -4,7 +4,7 @@ An MoE layer's stacked weight gradients are E times a dense FFN's: blocks far ab
 mmap threshold, so they come from the kernel as fresh pages and go back to it when freed. When
 the gradients are dropped between steps (`zero_grad()`'s default sets .grad to None), every
 backward faults its gradient pages in again, zero-filled, as its GEMMs first write them:
-writing a fresh 256 MiB tensor took 95 ms against 38 ms into a kept one (2-core EPYC, one
+writing a fresh 256 MiB tensor took 95 ms against 38 ms into a kept one (2-core Xeon, one
 thread), ~7% of a step at 64 experts in bf16. A dense FFN's (or a per-expert loop's) small
 gradient blocks come back from the heap without that cost.
 

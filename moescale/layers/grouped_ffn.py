@@ -290,9 +290,9 @@ def _empty_grad(param: torch.Tensor | None, counts, wanted: bool, name: str,
 def _left_t(x_ND: torch.Tensor, scale_N1: torch.Tensor | None) -> torch.Tensor:
     """(scale * x)^T as a weight-gradient GEMM's left operand (x^T @ dh); copied contiguous
     for a native low-precision GEMM, whose transposed left operand costs 1.7-1.9x the time
-    (oneDNN bf16, one thread, 2-core EPYC: 64 experts x 256 rows, D 512, F 2048: 86.5 vs
-    47.3 ms with the copy; 16 x 512 rows, D 1024, F 4096: 124 vs 67 ms); fp32 GEMMs take
-    the transposed view as fast. Scaled first, then copied: an elementwise op reading the
+    (oneDNN bf16, one thread, 2-core Xeon with AMX: 64 experts x 256 rows, D 512, F 2048:
+    86.5 vs 47.3 ms with the copy; 16 x 512 rows, D 1024, F 4096: 124 vs 67 ms); fp32 GEMMs
+    take the transposed view as fast. Scaled first, then copied: an elementwise op reading the
     transposed view runs ~3x as long as the two (2048 x 512 bf16: 2.9 vs 1.0 ms)."""
     xs_ND = x_ND if scale_N1 is None else x_ND * scale_N1
     if x_ND.dtype in (torch.bfloat16, torch.float16) and not needs_fp32_gemm(x_ND):
