@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from moescale.atomic import atomic_write_json
+from moescale.bench.disk_probe import cpu_flags
 
 
 def hardware_tag(device: torch.device) -> str:
@@ -39,7 +40,6 @@ def hardware_tag(device: torch.device) -> str:
         isa = torch.backends.cpu.get_cpu_capability().lower()
     except Exception:  # noqa: BLE001 - older builds lack the query; the tag is only a name
         isa = "cpu"
-    from moescale.bench.disk_probe import cpu_flags
     amx = "-amx" if "amx_bf16" in cpu_flags() else ""   # matrix units: bf16 GEMMs differ
     return f"cpu-{cores}c-{isa}{amx}"
 

@@ -135,8 +135,7 @@ def segments(counts: list[int] | tuple[int, ...]):
 def elementwise_rows(width: int, dtype: torch.dtype) -> int:
     """Rows per block of backward's elementwise work: about ELEMENTWISE_BYTES per tensor, so
     that a block's h1, ga and a stay in a core's L2 cache between the passes over them."""
-    item = torch.empty(0, dtype=dtype).element_size()
-    return max(MIN_ELEMENTWISE_ROWS, ELEMENTWISE_BYTES // (item * max(width, 1)))
+    return max(MIN_ELEMENTWISE_ROWS, ELEMENTWISE_BYTES // (dtype.itemsize * max(width, 1)))
 
 
 def chunk_rows(width: int) -> int:

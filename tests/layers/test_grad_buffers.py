@@ -134,10 +134,17 @@ def test_release_copies_and_pickles_start_empty():
     assert moe.experts.w1_EDF.grad is not None
 
 
-def test_take_shapes_and_dtypes():
+@needs_use_count
+def test_take_reuses_a_dropped_storage_and_forgets_other_sizes():
     pool = GradBuffers()
     like = torch.zeros(3, 4, 5, dtype=torch.bfloat16)
     t = pool.take("w", like)
     assert t.shape == like.shape and t.dtype == like.dtype and t.is_contiguous()
-    other = pool.take("w", torch.zeros(2, 2))   # another size under the same name: fresh
-    assert other.shape == (2, 2) and other.data_ptr() != t.data_ptr()
+    first = t.data_ptr()
+    del t
+    again = pool.take("w", like)                # nothing holds the first one: reused
+    assert again.data_ptr() == first
+    del again
+    other = pool.take("w", torch.zeros(2, 2))   # another size under the same name: fresh,
+    assert other.shape == (2, 2)                # and the old size's storage is let go
+    assert pool.held_bytes() == 2 * 2 * 4

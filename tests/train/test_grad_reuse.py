@@ -12,14 +12,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from moescale.layers.experts import GroupedExperts
 from moescale.train.trainer import Trainer
 from tests.train.train_helpers import small_corpus, tiny_run_config
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(__import__("torch")._C, "_storage_Use_Count"),
-    reason="this torch exposes no storage use count")
+pytestmark = pytest.mark.skipif(not hasattr(torch._C, "_storage_Use_Count"),
+                                reason="this torch exposes no storage use count")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
