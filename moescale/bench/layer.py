@@ -4,7 +4,9 @@ For each config (width, experts, tokens) and dtype it builds, on the same weight
 the floor (the routed rows through plain matmul FFNs, dense or evenly split; the faster one
 counts), moescale's `MoE`, the naive PyTorch loop (boolean masks + `index_add_`), Hugging
 Face's Mixtral block (eager / grouped_mm / batched_mm) and DeepSpeed-MoE (capacity 1.0 and
-2.0) when installed. It times `(y * g).sum().backward()` with a fixed random g, median of
+2.0) when installed, and the MoE's routing and data movement alone (layer_bound.py: moescale's
+router and combine on identity experts), whose time added to the floor's is the lowest ratio
+to the floor a dropless MoE built from these ops reaches on the machine measured. It times `(y * g).sum().backward()` with a fixed random g, median of
 `--repeats` runs after a warm-up, all implementations interleaved in one loop (round-robin per
 repetition, start rotated each repetition) so that a noisy shared machine slows them alike;
 moescale's ratios to the floor and to the naive loop come with a 95% interval over the paired
@@ -37,6 +39,7 @@ import torch
 
 from moescale.bench import layer_impls as impls
 from moescale.bench import layer_memory
+from moescale.bench.layer_bound import build_movement, movement_bound
 from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
 from moescale.bench.stats import paired_ratio
@@ -147,7 +150,8 @@ def build_candidates(case: LayerCase, dtype: torch.dtype, opts: LayerBenchOption
     out: list = [impls.build_floor(moe, rows, False, dtype, device, gen),
                  impls.build_floor(moe, rows, True, dtype, device, gen),
                  impls.build_moescale(moe, x_TD, g_TD),
-                 impls.build_naive_loop(moe, x_TD, g_TD)]
+                 impls.build_naive_loop(moe, x_TD, g_TD),
+                 build_movement(moe, x_TD, g_TD)]
     peer_tokens, lowp_note = _peer_tokens(case, x_TD, opts)
     px_TD, pg_TD = impls.reduced_inputs(x_TD, g_TD, peer_tokens)
     if "hf" in opts.peers:
@@ -215,10 +219,11 @@ def run_case(name: str, case: LayerCase, dtype_name: str, opts: LayerBenchOption
     naive = next(r for r in rows if r["family"] == "naive")
     if ours["runs"] >= 2 and naive["runs"] >= 2:
         ours["time_vs_naive"] = paired_ratio(ours["times_ms"], naive["times_ms"]).as_dict()
+    ours["floor_plus_movement"] = movement_bound(rows, floor)
     del moe, built, timed
     if opts.memory:
         for c, r in zip(cands, rows):
-            if r["family"] != "peer":
+            if r["family"] in ("floor", "moescale", "naive"):
                 r["rss_delta_bytes"] = layer_memory.measure(c.name, c.family, case, dtype_name,
                                                             opts)
                 if r["rss_delta_bytes"] is not None:
@@ -232,7 +237,7 @@ def check_targets(rows: list[dict], case: LayerCase) -> list[dict]:
     time_ratio = 1.0 / ours["ratio_to_floor"]
     checks = [dict(what=f"moescale step time <= {FLOOR_TIME_TARGET} x floor (medians)",
                    value=time_ratio, ok=time_ratio <= FLOOR_TIME_TARGET,
-                   interval=ours.get("time_vs_floor"))]
+                   interval=ours.get("time_vs_floor"), bound=ours.get("floor_plus_movement"))]
     for r in rows:
         if r["family"] in ("peer", "naive") and r is not ours:
             ratio = ours["rows_per_s"] / r["rows_per_s"]
@@ -429,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         ci = c.get("interval")
         spread = f" (paired {ci['ratio']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}], " \
             f"n={ci['n']})" if ci else ""
+        bound = c.get("bound")
+        if bound:
+            spread += f"; floor + routing and data movement alone: {bound['ratio']:.3f}"
         print(f"  [{'PASS' if c['ok'] else 'FAIL'}] {c['config']} {c['dtype']} {c['expert']}: "
               f"{c['what']}: {c['value']:.3f}{spread}")
     write_json(path, result)

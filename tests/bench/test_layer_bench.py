@@ -32,7 +32,7 @@ def test_floor_moescale_and_naive_loop_rows_saved_bytes_and_targets():
     assert not skipped
     names = [r["impl"] for r in rows]
     assert names == ["floor: 1 dense FFN", "floor: 4 FFNs, even split", "moescale",
-                     "naive loop (masks + index_add_)"]
+                     "naive loop (masks + index_add_)", "bound: routing + data movement"]
     ours, naive = rows[2], rows[3]
     assert ours["rows"] == TINY.num_tokens * TINY.top_k and ours["runs"] == 1
     assert ours["saved_bytes"] > 0 and 0.9 < ours["saved_ratio"] < 1.5
@@ -56,10 +56,13 @@ def test_gelu_experts_paired_intervals_and_rss_in_fresh_processes():
     assert ours["expert"] == "ffn"
     ci = ours["time_vs_floor"]
     assert ci["n"] == 2 and ci["low"] <= ci["ratio"] <= ci["high"]
+    bound = ours["floor_plus_movement"]      # (floor + routing and movement) / floor
+    assert bound["n"] == 2 and bound["ratio"] > 1.0
+    assert layer.check_targets(rows, TINY)[0]["bound"] == bound
     assert ours["time_vs_naive"]["n"] == 2
     if ours["rss_delta_bytes"] is None:
         pytest.skip("no /proc/self/clear_refs here")
-    assert all(r["rss_delta_bytes"] >= 0 for r in rows)
+    assert all(r["rss_delta_bytes"] >= 0 for r in rows if r["family"] != "bound")
     checks = layer.check_targets(rows, TINY)
     assert any(c["what"].startswith("moescale peak RSS delta") for c in checks)
 
