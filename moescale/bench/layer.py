@@ -5,8 +5,9 @@ the floor (the routed rows through plain matmul FFNs, dense or evenly split; the
 counts), moescale's `MoE`, the naive PyTorch loop (boolean masks + `index_add_`), Hugging
 Face's Mixtral block (eager / grouped_mm / batched_mm) and DeepSpeed-MoE (capacity 1.0 and
 2.0) when installed, and the MoE's routing and data movement alone (layer_bound.py: moescale's
-router and combine on identity experts), whose time added to the floor's is the lowest ratio
-to the floor a dropless MoE built from these ops reaches on the machine measured. It times `(y * g).sum().backward()` with a fixed random g, median of
+router and combine on identity experts), whose time added to the floor's is what a dropless
+MoE reaches when its expert work costs exactly the floor's. It times
+`(y * g).sum().backward()` with a fixed random g, median of
 `--repeats` runs after a warm-up, all implementations interleaved in one loop (round-robin per
 repetition, start rotated each repetition) so that a noisy shared machine slows them alike;
 moescale's ratios to the floor and to the naive loop come with a 95% interval over the paired
