@@ -28,7 +28,7 @@ from torch import nn
 from moescale.bench.layer_impls import Candidate
 from moescale.bench.stats import paired_ratio
 from moescale.dispatch.plan import RoutingPlan
-from moescale.layers.grouped_ffn_autograd import gather_sum, token_slots
+from moescale.layers.grouped_ffn_autograd import gather_sum, rows_with_zero, token_slots
 from moescale.layers.moe import MoE
 from moescale.layers.protocol import ROUTED
 
@@ -40,8 +40,7 @@ class _Movement(torch.autograd.Function):
     def forward(ctx, x_TD, scores_R, token_idx_R):
         num_rows = token_idx_R.shape[0]
         inv_JT = token_slots(token_idx_R, x_TD.shape[0])
-        rows_XD = x_TD.new_empty(num_rows + 1, x_TD.shape[1])
-        rows_XD[num_rows].zero_()
+        rows_XD = rows_with_zero(num_rows, x_TD.shape[1], x_TD, x_TD.dtype)
         torch.index_select(x_TD, 0, token_idx_R, out=rows_XD[:num_rows])
         rows_XD[:num_rows].mul_(scores_R.to(x_TD.dtype).unsqueeze(1))
         ctx.save_for_backward(x_TD, scores_R, token_idx_R, inv_JT)
@@ -52,8 +51,7 @@ class _Movement(torch.autograd.Function):
         x_TD, scores_R, token_idx_R, inv_JT = ctx.saved_tensors
         num_rows = token_idx_R.shape[0]
         gy_TD = gy_TD.contiguous()
-        g_XD = gy_TD.new_empty(num_rows + 1, gy_TD.shape[1])
-        g_XD[num_rows].zero_()
+        g_XD = rows_with_zero(num_rows, gy_TD.shape[1], gy_TD, gy_TD.dtype)
         g_RD = torch.index_select(gy_TD, 0, token_idx_R, out=g_XD[:num_rows])
         dscale_R = None
         if ctx.needs_input_grad[1]:

@@ -106,7 +106,7 @@ def gather_sum(rows_XD: torch.Tensor, inv_JT: torch.Tensor) -> torch.Tensor:
     return out_TD
 
 
-def _rows_with_zero(num_rows: int, width: int, like: torch.Tensor, dtype) -> torch.Tensor:
+def rows_with_zero(num_rows: int, width: int, like: torch.Tensor, dtype) -> torch.Tensor:
     """A rows buffer with one extra zero row at the end (for tokens with fewer rows)."""
     buf = like.new_empty(num_rows + 1, width, dtype=dtype)
     buf[num_rows].zero_()
@@ -124,7 +124,7 @@ class GroupedFFNRouted(torch.autograd.Function):
         num_rows = token_idx_R.shape[0]
         with torch.autocast(x_TD.device.type, enabled=False):
             inv_JT = token_slots(token_idx_R, x_TD.shape[0])
-            y_XD = _rows_with_zero(num_rows, w2.shape[2], x_TD, work)
+            y_XD = rows_with_zero(num_rows, w2.shape[2], x_TD, work)
 
             def y_done(s, t, y_ND):
                 y_ND.mul_(scores_R[s:t].to(work).unsqueeze(1))
@@ -150,7 +150,7 @@ class GroupedFFNRouted(torch.autograd.Function):
         num_rows = token_idx_R.shape[0]
         with torch.autocast(x_TD.device.type, enabled=False):
             gy_TD = gy_TD.contiguous()
-            dx_XD = _rows_with_zero(num_rows, x_TD.shape[1], x_TD, work) if need_dx else None
+            dx_XD = rows_with_zero(num_rows, x_TD.shape[1], x_TD, work) if need_dx else None
             gw, dscale_R = ffn_backward_blocks(
                 ctx.counts, _weights_from(wts), ctx.act, h1_RF, h3_RF,
                 x_rows=lambda s, t: x_TD.index_select(0, token_idx_R[s:t]).to(work),

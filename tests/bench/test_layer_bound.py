@@ -48,6 +48,11 @@ def test_movement_candidate_runs_on_bf16_and_uses_moescales_routing():
     cand = build_movement(moe, x_TD, torch.randn(64, 16).to(torch.bfloat16))
     assert cand.family == "bound" and cand.rows == 128
     cand.step()
+    bound = routing_only_moe(moe)    # the same tokens: the same routing decisions as moescale
+    with torch.no_grad():
+        moe(x_TD), bound(x_TD)
+    assert torch.equal(bound.last_stats.routed_E, moe.last_stats.routed_E)
+    assert moe.last_stats.routed_E.sum() == 128
     assert cand.leaves[0].grad is not None and cand.leaves[0].grad.dtype == torch.bfloat16
     cand.reset()
     assert cand.leaves[0].grad is None
