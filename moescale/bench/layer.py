@@ -40,8 +40,8 @@ import torch
 
 from moescale.bench import layer_impls as impls
 from moescale.bench import layer_memory
-from moescale.bench.layer_bound import build_movement, movement_bound
 from moescale.bench.disk_probe import cpu_flags
+from moescale.bench.layer_bound import build_movement, movement_bound
 from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
 from moescale.bench.stats import paired_ratio
 from moescale.layers.grouped_ffn import lowp_gemm_choice, needs_fp32_gemm

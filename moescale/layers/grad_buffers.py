@@ -6,8 +6,8 @@ the gradients are dropped between steps (`zero_grad()`'s default sets .grad to N
 backward faults its gradient pages in again, zero-filled, as its GEMMs first write them:
 writing a fresh 256 MiB tensor took 95 ms against 38 ms into a kept one (2-core Xeon, one
 thread); a d512, 64-expert bf16 GELU layer's forward + backward took 669 ms per step without
-the kept storage and 579 ms with it (one thread, 9 interleaved repetitions). A dense FFN's (or a per-expert loop's) small
-gradient blocks come back from the heap without that cost.
+the kept storage and 579 ms with it (one thread, 9 interleaved repetitions). A dense FFN's (or
+a per-expert loop's) small gradient blocks come back from the heap without that cost.
 
 `GradBuffers.take(name, like)` hands out a tensor shaped like `like` on a storage the pool
 keeps, when nothing but the pool holds that storage any more (its use count is 1: the tensor

@@ -17,12 +17,13 @@ import pickle
 import pytest
 import torch
 
+from moescale.layers import grad_buffers
 from moescale.layers.grad_buffers import GradBuffers
 from moescale.layers.moe import MoE
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-needs_use_count = pytest.mark.skipif(not hasattr(torch._C, "_storage_Use_Count"),
+needs_use_count = pytest.mark.skipif(grad_buffers._STORAGE_USE_COUNT is None,
                                      reason="this torch exposes no storage use count")
 
 

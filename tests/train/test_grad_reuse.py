@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
+from moescale.layers import grad_buffers
 from moescale.layers.experts import GroupedExperts
 from moescale.train.trainer import Trainer
 from tests.train.train_helpers import small_corpus, tiny_run_config
 
-pytestmark = pytest.mark.skipif(not hasattr(torch._C, "_storage_Use_Count"),
+pytestmark = pytest.mark.skipif(grad_buffers._STORAGE_USE_COUNT is None,
                                 reason="this torch exposes no storage use count")
 
 
