@@ -162,17 +162,30 @@ class StoreAccess:
         return self.store.config.tier
 
     def read(self, l: int) -> tuple[Tensors, Moments]:
-        """Views of a host-tier record (the disk tier is saved by linking its files)."""
+        """A host-tier record's fp32 state: views, or decoded copies of compact state (the
+        disk tier is saved by linking its files)."""
         assert self.tier == "host", "disk-tier records are linked, not read"
-        rec = self.store.acquire((self.layer, l))
-        self.store.release((self.layer, l))
-        split = self.layout.split
+        key, split = (self.layer, l), self.layout.split
+        if not self.store.format.exact:
+            master_P, exp_avg_P, exp_avg_sq_P = self.store.get_state(key)
+            return split(master_P), (split(exp_avg_P), split(exp_avg_sq_P),
+                                     self.store.step_of(key))
+        rec = self.store.acquire(key)
+        self.store.release(key)
         return split(rec.master_P), (split(rec.exp_avg_P), split(rec.exp_avg_sq_P),
                                      float(rec.step_t))
 
     @torch.no_grad()
     def write(self, l: int, master: Tensors, moments: Moments | None) -> None:
         key = (self.layer, l)
+        if not self.store.format.exact:    # encoded in the store's format
+            flat = [None if values is None else
+                    torch.cat([values[n].reshape(-1).float() for n in self.layout.names])
+                    for values in (master, *(moments[:2] if moments else (None, None)))]
+            self.store.put_state(key, *flat)
+            self.store.set_step(key, 0.0 if moments is None else moments[2])
+            self.store.bump_version(key)
+            return
         rec = self.store.acquire(key, STATE)
         try:
             split = self.layout.split

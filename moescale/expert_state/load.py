@@ -35,7 +35,8 @@ from moescale.expert_state.index import (TENSOR_FILE, ShardCheckpointError, chec
 from moescale.expert_state.save import selected
 from moescale.expert_state.tensorfile import TensorFile
 from moescale.offload.direct_io import DirectIO, SlotPool, align_up, chunk_sums
-from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_MASTER
+from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER
+from moescale.offload.state_format import RecordGeometry, StateCodec, format_of
 from moescale.offload.store import ExpertLayout
 
 
@@ -64,6 +65,7 @@ class _Job:
         self.layer, self.l, self.entry, self.info, self.path = layer, l, entry, info, path
         self.e = layer.expert_ids[l]
         self.record = info["file"] != TENSOR_FILE
+        self.geometry: RecordGeometry | None = None     # a record file's rows (set by _jobs)
 
     def where(self) -> str:
         return f"expert {self.e} of {self.layer.key!r} in {self.path!r}"
@@ -98,9 +100,9 @@ class _Reader:
 
     def __init__(self, jobs: list[_Job], chunk_bytes: int) -> None:
         self.files: dict[str, TensorFile] = {}
-        strides = [j.info.get("stride") for j in jobs if j.record]
-        self.io = DirectIO(threads=2, chunk_bytes=chunk_bytes) if strides else None
-        self.pool = SlotPool(1, 3 * max(strides)) if strides else None
+        sizes = [j.geometry.offsets[POS_GRAD] for j in jobs if j.record]
+        self.io = DirectIO(threads=2, chunk_bytes=chunk_bytes) if sizes else None
+        self.pool = SlotPool(1, max(sizes)) if sizes else None
         self.chunk = chunk_bytes
 
     def tensors(self, job: _Job) -> TensorFile:
@@ -115,16 +117,16 @@ class _Reader:
         return file
 
     def record(self, job: _Job) -> torch.Tensor:
-        """The master and moment rows of a record file, read and checked: uint8 [3 stride]."""
-        stride = job.info["stride"]
-        rows_u8 = self.pool.slots[0][:3 * stride]
+        """The master and moment rows of a record file, read and checked (uint8)."""
+        geo = job.geometry
+        rows_u8 = self.pool.slots[0][:geo.offsets[POS_GRAD]]
         try:
             self.io.read(job.path, 0, rows_u8).result()
         except OSError as err:
             raise ShardCheckpointError(f"{job.where()} cannot be read ({err.strerror or err}); "
                                        "the checkpoint is incomplete or corrupt") from err
         for pos in (POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ):
-            if chunk_sums(rows_u8[pos * stride:(pos + 1) * stride], self.chunk) != \
+            if chunk_sums(rows_u8[geo.offsets[pos]:geo.offsets[pos + 1]], self.chunk) != \
                     job.info["sums"].get(str(pos)):
                 raise ShardCheckpointError(f"{job.where()} does not match its checksum; the "
                                            "checkpoint is corrupt")
@@ -152,12 +154,14 @@ class _Reader:
         step = job.info.get("step")
         if job.record:
             rows_u8 = self.record(job)
-            layout, stride = ExpertLayout(job.layer.spec), job.info["stride"]
-
-            def row(pos):
-                return layout.split(rows_u8[pos * stride:pos * stride + 4 * layout.numel]
-                                    .view(torch.float32))
-            return row(POS_MASTER), (row(POS_EXP_AVG), row(POS_EXP_AVG_SQ), float(step))
+            layout, geo = ExpertLayout(job.layer.spec), job.geometry
+            codec, numel = StateCodec(geo.fmt), layout.numel
+            master_P = codec.decode_master(geo.typed(rows_u8, POS_MASTER), numel,
+                                           torch.empty(numel) if not geo.fmt.exact else None)
+            moments = [codec.decode_moment(geo.typed(rows_u8, pos), numel, signed, "m",
+                                           torch.empty(numel) if not geo.fmt.exact else None)
+                       for pos, signed in ((POS_EXP_AVG, True), (POS_EXP_AVG_SQ, False))]
+            return layout.split(master_P), (*map(layout.split, moments), float(step))
         file = self.tensors(job)
         master = _FileTensors(job, file, "master")
         if not job.info.get("moments"):
@@ -202,7 +206,14 @@ def _jobs(directory: str, layers: list[HeldLayer], picks, where) -> tuple[list[_
             job = _Job(layer, l, entry, info, file_path(directory, entry, info))
             numel = ExpertLayout(layer.spec).numel
             has_step = isinstance(info.get("step"), (int, float))
-            if (job.record and info.get("stride") != align_up(4 * numel)) or \
+            try:
+                job.geometry = RecordGeometry(format_of(info), numel)
+            except ValueError as err:
+                raise ShardCheckpointError(f"{job.where()}: the index's record format is "
+                                           f"wrong ({err}); the checkpoint is corrupt") from None
+            stride_ok = info.get("stride") == align_up(4 * numel) if job.geometry.fmt.exact \
+                else info.get("state_bytes") == job.geometry.offsets[POS_GRAD]
+            if (job.record and not stride_ok) or \
                     ((job.record or info.get("moments")) and not has_step):
                 raise ShardCheckpointError(f"{job.where()}: the index's row stride "
                                            f"{info.get('stride')} (for {numel} parameters) or "
@@ -214,8 +225,9 @@ def _jobs(directory: str, layers: list[HeldLayer], picks, where) -> tuple[list[_
 
 def _adoptable(job: _Job) -> bool:
     access = job.layer.access
-    if not job.record or not isinstance(access, StoreAccess) or access.tier != "disk":
-        return False
+    if not job.record or not isinstance(access, StoreAccess) or access.tier != "disk" or \
+            job.geometry.fmt.name != access.store.format.name:
+        return False      # another format: decoded and written in the store's
     return os.stat(job.path).st_dev == os.stat(access.store.config.directory).st_dev
 
 
@@ -260,5 +272,5 @@ def load_expert_shards(model, directory: str, manifests, *, optimizer=None, engi
             store.flush()
     finally:
         reader.close()
-    read = sum(3 * j.info["stride"] if j.record else 0 for j in jobs)
+    read = sum(j.geometry.offsets[POS_GRAD] if j.record else 0 for j in jobs)
     return dict(experts=len(jobs), adopted=len(adopted), record_bytes_verified=read)

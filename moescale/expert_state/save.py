@@ -38,6 +38,7 @@ from moescale.expert_state.tensorfile import TensorSpec, write_tensors
 from moescale.offload.checkpoint import link_disk_store
 from moescale.offload.direct_io import CHUNK_BYTES
 from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_MASTER
+from moescale.offload.state_format import record_info
 
 
 def selected(layer: HeldLayer, share: tuple[int, int] | None) -> list[int]:
@@ -92,8 +93,8 @@ def _link_records(layers, picks, tmp: str) -> dict:
             sums = {str(p): info["sums"][str(p)]
                     for p in (POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ)}
             out[layer.key, e] = dict(file=f"layer{key[0]:03d}/expert{e:05d}.bin",
-                                     stride=store.disk.stride(key[0]), step=info["step"],
-                                     moments=True, sums=sums)
+                                     **record_info(store.format, store.disk.geometries[key[0]]),
+                                     step=info["step"], moments=True, sums=sums)
     return out
 
 
@@ -156,7 +157,7 @@ def save_expert_shards(model, directory: str, *, rank: int, tag: str, optimizer=
             infos.update(tensor_infos)
         for info in infos.values():
             if info["file"] != TENSOR_FILE:
-                nbytes += 3 * info["stride"]
+                nbytes += info.get("state_bytes") or 3 * info["stride"]
         index = dict(format=FORMAT, rank=rank, chunk_bytes=CHUNK_BYTES, layers={
             layer.key: dict(num_experts=layer.num_experts, layout=layout_of(layer.spec),
                             experts={str(layer.expert_ids[l]): infos[layer.key,

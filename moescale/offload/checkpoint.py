@@ -48,7 +48,9 @@ import torch
 
 from moescale.atomic import atomic_write_text, publish_dir
 from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up, chunk_sums
-from moescale.offload.records import POS_GRAD, STATE, G, rows_of
+from moescale.offload.records import (POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER, STATE,
+                                      G, rows_of)
+from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat, format_of
 from moescale.offload.store import LOGICAL_POS, ExpertStore
 
 LATEST = "expert-store.LATEST"
@@ -71,9 +73,9 @@ def _digest(body: dict) -> str:
 # ---------------------------------------------------------------------------- saving
 def save_store(store: ExpertStore, directory: str, tag: str) -> str:
     """Write the whole store under directory (atomically); returns the store directory."""
-    if store.disk is not None:
+    if store.disk is not None:   # the records as they are, in the store's format
         return _publish(directory, tag, store.layouts, store.num_experts,
-                        lambda tmp: _link_disk_store(store, tmp))
+                        lambda tmp: _link_disk_store(store, tmp), store.format)
     return save_records(directory, tag, store.layouts, store.num_experts,
                         lambda layer, e: store.read_record((layer, e)))
 
@@ -144,11 +146,12 @@ def link_disk_store(store: ExpertStore, dest_of) -> dict:
         buf = SlotPool(1, max(store.disk.record_bytes(k[0]) for _, _, k in copies))
         try:
             for path, dest, key in copies:
-                stride = store.disk.stride(key[0])
-                record_u8 = buf.slots[0][:4 * stride]
+                geo = store.disk.geometries[key[0]]
+                record_u8 = buf.slots[0][:geo.total]
                 store.disk.io.read(path, 0, record_u8).result()
                 for pos, sums in snap[key]["sums"].items():
-                    if chunk_sums(record_u8[pos * stride:(pos + 1) * stride], chunk) != sums:
+                    if chunk_sums(record_u8[geo.offsets[pos]:geo.offsets[pos + 1]],
+                                  chunk) != sums:
                         raise OSError(errno.EIO, f"the store file {path!r} does not match what "
                                       "the store wrote (damaged on disk)")
                 with open(dest, "wb") as f:
@@ -162,7 +165,8 @@ def link_disk_store(store: ExpertStore, dest_of) -> dict:
             for key, info in snap.items() if dest_of(key) is not None}
 
 
-def _publish(directory: str, tag: str, layouts, num_experts, write) -> str:
+def _publish(directory: str, tag: str, layouts, num_experts, write,
+             fmt: StateFormat = StateFormat()) -> str:
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory={directory!r} does not exist; create it first")
     name = f"expert-store-{tag}"
@@ -178,6 +182,8 @@ def _publish(directory: str, tag: str, layouts, num_experts, write) -> str:
                     layouts=[[[n, list(s)] for n, s in zip(lay.names, lay.shapes)]
                              for lay in layouts],
                     num_experts=list(num_experts), experts=write(tmp))
+        if not fmt.exact:     # fp32 manifests stay as every earlier version wrote them
+            body["state"] = dict(master=fmt.master, moments=fmt.moments)
         atomic_write_text(os.path.join(tmp, "manifest.json"),
                           json.dumps(dict(body=body, sha256=_digest(body))))
         publish_dir(tmp, final)
@@ -248,8 +254,14 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
             raise StoreCheckpointError(f"the manifest in {src!r} lacks expert {name}; the "
                                        "checkpoint is corrupt")
         infos[key] = info
-    _verify(store, src, keys, infos, first_expert, body["chunk_bytes"])
-    if store.disk is not None and _same_fs(src, store.config.directory):
+    try:
+        saved = format_of(body)
+    except ValueError as err:
+        raise StoreCheckpointError(f"the manifest in {src!r} names no record format ({err}); "
+                                   "the checkpoint is corrupt") from None
+    _verify(store, src, keys, infos, first_expert, body["chunk_bytes"], saved)
+    if store.disk is not None and _same_fs(src, store.config.directory) and \
+            saved.name == store.format.name:
         store.disk.flush(drop=True)
         for key in keys:
             info = infos[key]
@@ -257,8 +269,9 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
                              {int(p): c for p, c in info["sums"].items()}, info["grad"])
             _set_step(store, key, info["step"])
         return
-    for key in keys:   # copy the verified files into the store
-        _copy_in(store, key, _record_path(src, (key[0], first_expert + key[1])), infos[key])
+    for key in keys:   # copy the verified files into the store (decoded: another format)
+        _copy_in(store, key, _record_path(src, (key[0], first_expert + key[1])), infos[key],
+                 saved)
 
 
 def _read_manifest(src: str) -> dict:
@@ -281,21 +294,22 @@ def _read_manifest(src: str) -> dict:
     return body
 
 
-def _verify(store, src, keys, infos, first_expert, chunk) -> None:
+def _verify(store, src, keys, infos, first_expert, chunk, saved: StateFormat) -> None:
     """Read every file of `keys` and compare its sums (direct I/O, no page cache)."""
     io = DirectIO(threads=2, chunk_bytes=chunk)
-    biggest = max(align_up(4 * store.layouts[k[0]].numel) for k in keys) if keys else 4096
+    biggest = max(max(RecordGeometry(saved, store.layouts[k[0]].numel).strides)
+                  for k in keys) if keys else 4096
     buf = SlotPool(1, biggest)
     try:
         for key in keys:
             path = _record_path(src, (key[0], first_expert + key[1]))
-            stride = align_up(4 * store.layouts[key[0]].numel)
+            geo = RecordGeometry(saved, store.layouts[key[0]].numel)
             sums = infos[key]["sums"]
             rows = STATE | (G if infos[key]["grad"] else 0)
             for pos in rows_of(rows):
-                row_u8 = buf.slots[0][:stride]
+                row_u8 = buf.slots[0][:geo.strides[pos]]
                 try:
-                    io.read(path, pos * stride, row_u8).result()
+                    io.read(path, geo.offsets[pos], row_u8).result()
                 except OSError as err:
                     raise StoreCheckpointError(f"expert file {path!r} cannot be read "
                                                f"({err.strerror or err}); the checkpoint is "
@@ -317,10 +331,26 @@ def _set_step(store: ExpertStore, key, step: float) -> None:
     store.bump_version(key)   # device copies of the old state are stale
 
 
-def _copy_in(store: ExpertStore, key, path: str, info: dict) -> None:
+def _copy_in(store: ExpertStore, key, path: str, info: dict, saved: StateFormat) -> None:
     numel = store.layouts[key[0]].numel
+    geo = RecordGeometry(saved, numel)
+    raw = torch.from_file(path, size=geo.total, dtype=torch.uint8)
+    if not (saved.exact and store.format.exact):
+        codec = StateCodec(saved)
+        store.put_state(key, codec.decode_master(geo.typed(raw, POS_MASTER), numel,
+                                                 torch.empty(numel)),
+                        *[codec.decode_moment(geo.typed(raw, pos), numel, signed, "m",
+                                              torch.empty(numel))
+                          for pos, signed in ((POS_EXP_AVG, True), (POS_EXP_AVG_SQ, False))])
+        if info["grad"]:
+            rec = store.acquire(key, G)
+            try:
+                rec.grad_P.copy_(geo.typed(raw, POS_GRAD))
+            finally:
+                store.release(key, dirty=True, rows=G)
+        _set_step(store, key, info["step"])
+        return
     stride = align_up(4 * numel)
-    raw = torch.from_file(path, size=4 * stride, dtype=torch.uint8)
     rec = store.acquire(key)
     try:
         for logical, pos in enumerate(LOGICAL_POS):

@@ -20,6 +20,7 @@ import torch
 
 from moescale.offload.experts import POLICIES
 from moescale.offload.optimizer import STEP_MODES, AdamWConfig
+from moescale.offload.state_format import MASTERS, MOMENTS, StateFormat
 from moescale.sizes import Size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,11 +66,18 @@ class OffloadConfig:
                                             # the available RAM)
     rates: str = "measure"              # tier auto: compute / copy / disk rates measured here,
                                         # or ES-MoE's A100 node ('a100')
+    master: str = "fp32"                # the experts' master weights in the store: fp32 | bf16
+                                        # (updated with stochastic rounding: half the bytes)
+    moments: str = "fp32"               # the experts' Adam moments in the store: fp32 | bf16 |
+                                        # int8 (block-wise dynamic quantisation: 1.02 bytes)
+    seed: int = 0                       # the stochastic rounding of a bf16 master (a run's:
+                                        # train.seed)
 
     def __post_init__(self) -> None:
         for name, choices in (("tier", OFFLOAD_TIERS), ("activation_policy", POLICIES),
                               ("step_mode", STEP_MODES), ("compute_dtype", DTYPES),
-                              ("rates", PLANNER_RATES)):
+                              ("rates", PLANNER_RATES), ("master", MASTERS),
+                              ("moments", MOMENTS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown; use one of "
                                  f"{', '.join(choices)}")
@@ -93,6 +101,19 @@ class OffloadConfig:
             raise ValueError(f"ema_decay={self.ema_decay!r} must lie in [0, 1)")
         if self.io_threads < 1:
             raise ValueError(f"io_threads={self.io_threads!r} must be >= 1")
+        if not self.state.exact and self.tier == "device-only":
+            raise ValueError(f"master={self.master!r}, moments={self.moments!r}: resident "
+                             "experts keep fp32 state in torch's AdamW; compact state is for "
+                             "offloaded experts (tier host, pin, disk or auto)")
+        if not self.state.exact and self.shared_memory:
+            raise ValueError(f"master={self.master!r}, moments={self.moments!r}: a store "
+                             "shared between processes holds fp32 records only; use fp32 "
+                             "master and moments with shared_memory")
+
+    @property
+    def state(self) -> StateFormat:
+        """The store's record format (master and moments)."""
+        return StateFormat(master=self.master, moments=self.moments, seed=self.seed)
 
     @property
     def store_tier(self) -> str:

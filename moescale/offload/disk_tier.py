@@ -40,6 +40,7 @@ from moescale.offload.direct_io import DirectIO, SlotPool, align_up, chunk_sums,
 from moescale.offload.records import (POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER,
                                       STATE, G, rows_of, runs_of)
 from moescale.offload.schedule import AccessSchedule
+from moescale.offload.state_format import RecordGeometry, StateFormat
 
 Key = tuple[int, int]
 
@@ -61,8 +62,10 @@ class DiskTier:
 
     def __init__(self, directory: str, host_cache_bytes: int, io_threads: int = 4,
                  pin_memory: bool = False, max_reads: int = 2, max_writes: int = 2,
-                 direct_io: bool = True) -> None:
+                 direct_io: bool = True, state: StateFormat = StateFormat()) -> None:
         self.directory, self.host_cache_bytes = directory, host_cache_bytes
+        self.state = state
+        self.geometries: list[RecordGeometry] = []    # row offsets per layer
         self.io = DirectIO(io_threads, direct=direct_io)
         self._writeback = ThreadPoolExecutor(max_writes, thread_name_prefix="moescale-wb")
         self.pin_memory, self.max_reads, self.max_writes = pin_memory, max_reads, max_writes
@@ -83,10 +86,12 @@ class DiskTier:
 
     # ----------------------------------------------------------------- geometry
     def stride(self, layer: int) -> int:
+        """Bytes per row of fp32 records (all four rows alike)."""
+        assert self.state.exact, "records of compact state have rows of several sizes"
         return align_up(4 * self.numels[layer])
 
     def record_bytes(self, layer: int) -> int:
-        return 4 * self.stride(layer)
+        return self.geometries[layer].total
 
     def _layer_dir(self, layer: int) -> str:
         return os.path.join(self.directory, f"layer{layer:03d}")
@@ -103,28 +108,34 @@ class DiskTier:
         return 0 if pool is None else (len(pool) - pool.num_free) * pool.slot_bytes
 
     # ----------------------------------------------------------------- set-up
+    def register_layer(self, numel: int) -> int:
+        """Know a layer of experts of numel parameters (its files are written elsewhere)."""
+        self.numels.append(numel)
+        self.geometries.append(RecordGeometry(self.state, numel))
+        return len(self.numels) - 1
+
     def add_layer(self, numel: int, num_experts: int, init) -> None:
         """Write the layer's files: init(e) as the master, zero moments (a sparse tail). Files
         a previous run left there are unlinked first, never written over (a checkpoint may hold
         links to them)."""
-        layer = len(self.numels)
-        self.numels.append(numel)
+        layer = self.register_layer(numel)
+        geo = self.geometries[layer]
         os.makedirs(self._layer_dir(layer), exist_ok=True)
         for name in os.listdir(self._layer_dir(layer)):   # a previous run's files: a
             if name.startswith("expert") and name.endswith(".bin"):   # checkpoint may link
                 os.unlink(os.path.join(self._layer_dir(layer), name))   # them: never reuse
-        stride = self.stride(layer)
-        staging = SlotPool(1, stride)
+        staging = SlotPool(1, geo.strides[POS_MASTER])
         row_u8 = staging.slots[0]
-        row_P = row_u8[:4 * numel].view(torch.float32)
-        zeros = chunk_sums(torch.zeros(stride, dtype=torch.uint8), self.io.chunk_bytes)
+        row_P = geo.typed(row_u8, POS_MASTER)     # fp32, or bf16 (rounded to nearest)
+        zeros = {pos: chunk_sums(torch.zeros(geo.strides[pos], dtype=torch.uint8),
+                                 self.io.chunk_bytes) for pos in (POS_EXP_AVG, POS_EXP_AVG_SQ)}
         try:
             for e in range(num_experts):
                 key = (layer, e)
                 row_P.copy_(init(e))
                 sums = self.io.write(self.path(key), 0, row_u8, create=True).result()
-                os.truncate(self.path(key), 4 * stride)
-                self.sums[key] = {POS_MASTER: sums, POS_EXP_AVG: zeros, POS_EXP_AVG_SQ: zeros}
+                os.truncate(self.path(key), geo.total)
+                self.sums[key] = {POS_MASTER: sums, **zeros}
                 self.gen[key] = 0
         finally:
             staging.close()
@@ -139,15 +150,15 @@ class DiskTier:
 
     # ----------------------------------------------------------------- views
     def row_view(self, entry: _Entry, pos: int) -> torch.Tensor:
-        """The fp32 [P] view of row `pos` in the entry's slot."""
-        layer = entry.key[0]
-        start = pos * self.stride(layer)
-        return self.pool.slots[entry.slot][start:start + 4 * self.numels[layer]] \
-            .view(torch.float32)
+        """Row `pos` in the entry's slot, as its format keeps it (fp32 [P] for fp32 state)."""
+        return self.geometries[entry.key[0]].typed(self.pool.slots[entry.slot], pos)
 
     def _span(self, entry: _Entry, first: int, count: int) -> torch.Tensor:
-        stride = self.stride(entry.key[0])
-        return self.pool.slots[entry.slot][first * stride:(first + count) * stride]
+        start, stop = self.geometries[entry.key[0]].span(first, count)
+        return self.pool.slots[entry.slot][start:stop]
+
+    def offset(self, key: Key, pos: int) -> int:
+        return self.geometries[key[0]].offsets[pos]
 
     # ----------------------------------------------------------------- schedule
     def set_upcoming(self, accesses: list[tuple[Key, int]]) -> None:
@@ -226,7 +237,7 @@ class DiskTier:
         if not missing:
             return False
         self.grad_rows_moved += bool(missing & G)
-        futures = [self.io.read(self.path(entry.key), first * self.stride(entry.key[0]),
+        futures = [self.io.read(self.path(entry.key), self.offset(entry.key, first),
                                 self._span(entry, first, count))
                    for first, count in runs_of(missing)]
         self._reads += 1
@@ -332,15 +343,16 @@ class DiskTier:
 
     def _write_rows(self, entry: _Entry, rows: int, need: int, old_path: str, path: str,
                     cow: bool) -> dict[int, list[int]]:
-        stride = self.stride(entry.key[0])
+        key = entry.key
         if need:
             for first, count in runs_of(need):
-                self.io.read(old_path, first * stride, self._span(entry, first, count)).result()
+                self.io.read(old_path, self.offset(key, first),
+                             self._span(entry, first, count)).result()
         try:
             if cow:
                 self.io.close_fd(self.io.open(path, create=True))
-                os.truncate(path, 4 * stride)
-            futures = {p: self.io.write(path, p * stride, self._span(entry, p, 1))
+                os.truncate(path, self.record_bytes(key[0]))
+            futures = {p: self.io.write(path, self.offset(key, p), self._span(entry, p, 1))
                        for p in rows_of(rows)}
             return {p: f.result() for p, f in futures.items()}
         except OSError as err:

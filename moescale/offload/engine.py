@@ -66,7 +66,8 @@ class OffloadEngine:
         self.store = ExpertStore(StoreConfig(
             tier=config.store_tier, directory=config.directory,
             host_cache_bytes=config.host_cache_bytes, pin_memory=cuda,
-            shared_memory=config.shared_memory, io_threads=config.io_threads))
+            shared_memory=config.shared_memory, io_threads=config.io_threads,
+            state=config.state))
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
                                        config.step_mode)
         self.device = None
@@ -287,7 +288,8 @@ class OffloadEngine:
         self.synchronize()
         rec = self.store.acquire((layer, e))
         try:
-            return {n: t.clone() for n, t in self.store.layouts[layer].split(rec.master_P).items()}
+            master_P = rec.master_P.to(torch.float32, copy=True)     # a bf16 master: exact
+            return dict(self.store.layouts[layer].split(master_P))
         finally:
             self.store.release((layer, e))
 

@@ -191,7 +191,7 @@ class OffloadedExpertsBase(nn.Module):
         """A copy of expert e's flat fp32 master."""
         rec = self.engine.store.acquire((self.layer_index, e))
         try:
-            return rec.master_P.clone()
+            return rec.master_P.to(torch.float32, copy=True)     # a bf16 master: exact
         finally:
             self.engine.store.release((self.layer_index, e))
 

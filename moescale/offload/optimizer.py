@@ -2,7 +2,9 @@
 
 The math is torch's own AdamW (`torch.optim.adamw.adamw`, the functional form behind
 `torch.optim.AdamW`: single-tensor, foreach or fused CPU kernel), applied to each expert's flat
-fp32 master, gradient accumulator and moments. Hyper-parameters (lr, betas, eps, weight decay)
+fp32 master, gradient accumulator and moments. Compact state (a bf16 master, bf16 or int8
+moments: state_format.py) is decoded into fp32 work buffers, stepped by the same call and
+encoded back, one expert at a time on the worker. Hyper-parameters (lr, betas, eps, weight decay)
 are read when a step is submitted, from the config or from a dense optimizer the engine
 follows (`follow(dense_optimizer)`), so an LR scheduler drives both.
 
@@ -41,6 +43,7 @@ from torch.optim.adamw import adamw
 
 from moescale.devices import Transfer
 from moescale.offload.records import ALL, G, STATE
+from moescale.offload.state_format import StateCodec
 from moescale.offload.store import ExpertStore, Key
 
 IMPLS = ("single", "foreach", "fused")
@@ -86,6 +89,7 @@ class HostOptimizer:
         self._follow = None
         self.step_seconds = 0.0
         self.skipped_steps = 0     # expert steps refused for a non-finite gradient
+        self._codec: StateCodec | None = None   # compact state's work buffers (the worker's)
 
     # ----------------------------------------------------------------- hyper-parameters
     def follow(self, dense_optimizer: torch.optim.Optimizer | None) -> None:
@@ -166,14 +170,12 @@ class HostOptimizer:
             if grad_coef is not None:
                 for r in stepped:
                     r.grad_P.mul_(grad_coef)
-            impl = self.config.impl
-            if stepped:
-                adamw([r.master_P for r in stepped], [r.grad_P for r in stepped],
-                      [r.exp_avg_P for r in stepped], [r.exp_avg_sq_P for r in stepped], [],
-                      [r.step_t for r in stepped], foreach=impl == "foreach",
-                      fused=impl == "fused" or None, amsgrad=False, beta1=hp["betas"][0],
-                      beta2=hp["betas"][1], lr=hp["lr"], weight_decay=hp["weight_decay"],
-                      eps=hp["eps"], maximize=False)
+            if stepped and self.store.format.exact:
+                self._adamw([r.master_P for r in stepped], [r.grad_P for r in stepped],
+                            [r.exp_avg_P for r in stepped], [r.exp_avg_sq_P for r in stepped],
+                            [r.step_t for r in stepped], hp)
+            for r in stepped if not self.store.format.exact else ():
+                self._step_compact(r, hp)
             for r in recs:
                 r.grad_P.zero_()
             for r in stepped:
@@ -182,6 +184,28 @@ class HostOptimizer:
             for k in keys:
                 self.store.release(k, dirty=True, rows=STATE, grad_zero=True)
         self.step_seconds += time.perf_counter() - start
+
+    def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, steps, hp: dict) -> None:
+        impl = self.config.impl
+        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=impl == "foreach",
+              fused=impl == "fused" or None, amsgrad=False, beta1=hp["betas"][0],
+              beta2=hp["betas"][1], lr=hp["lr"], weight_decay=hp["weight_decay"],
+              eps=hp["eps"], maximize=False)
+
+    def _step_compact(self, rec, hp: dict) -> None:
+        """One expert's AdamW on compact state: decode into fp32 work buffers, step, encode
+        (a bf16 master by stochastic rounding keyed by (layer, expert, step))."""
+        codec = self._codec
+        if codec is None:
+            codec = self._codec = StateCodec(self.store.format)
+        numel = self.store.layouts[rec.key[0]].numel
+        master_P = codec.decode_master(rec.master_P, numel)
+        exp_avg_P = codec.decode_moment(rec.exp_avg_P, numel, True, "m")
+        exp_avg_sq_P = codec.decode_moment(rec.exp_avg_sq_P, numel, False, "v")
+        self._adamw([master_P], [rec.grad_P], [exp_avg_P], [exp_avg_sq_P], [rec.step_t], hp)
+        codec.encode_master(master_P, rec.master_P, (*rec.key, int(rec.step_t)))
+        codec.encode_moment(exp_avg_P, rec.exp_avg_P, True)
+        codec.encode_moment(exp_avg_sq_P, rec.exp_avg_sq_P, False)
 
     def wait_all(self) -> None:
         """Block until every queued task has run (re-raising the first error)."""

@@ -47,7 +47,8 @@ import torch
 from moescale.offload import records
 from moescale.offload.direct_io import align_up
 from moescale.offload.disk_tier import DiskTier
-from moescale.offload.records import ALL
+from moescale.offload.records import ALL, POS_MASTER, STATE
+from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat
 
 MASTER, GRAD, EXP_AVG, EXP_AVG_SQ = 0, 1, 2, 3
 # where each of those rows sits in a disk-tier record file / slot
@@ -71,8 +72,12 @@ class ExpertLayout:
         return {n: part.view(shape) for n, shape, part in
                 zip(self.names, self.shapes, torch.split(flat_P, self.sizes))}
 
-    def record_bytes(self) -> int:
-        return 4 * self.numel * 4
+    def record_bytes(self, fmt: StateFormat | None = None) -> int:
+        """Bytes of one expert's record: fp32 master, gradient and moments (16 P), or in
+        `fmt` (unpadded rows)."""
+        if fmt is None:
+            return 4 * self.numel * 4
+        return sum(fmt.row_bytes(pos, self.numel) for pos in range(4))
 
 
 @dataclass(kw_only=True)
@@ -87,8 +92,13 @@ class StoreConfig:
     shared_memory: bool = False
     io_threads: int = 4
     direct_io: bool = True    # False: buffered I/O + posix_fadvise(DONTNEED) (as on tmpfs)
+    state: StateFormat = StateFormat()   # master and moment formats of the records
 
     def __post_init__(self) -> None:
+        if not self.state.exact and self.shared_memory:
+            raise ValueError(f"a store shared between processes holds fp32 records only, not "
+                             f"{self.state.name}; use master='fp32', moments='fp32' with "
+                             "shared_memory (dynamic placement)")
         if self.tier not in TIERS:
             raise ValueError(f"tier={self.tier!r} is unknown; use one of {', '.join(TIERS)}")
         if self.tier == "disk":
@@ -104,8 +114,10 @@ class StoreConfig:
 
 
 class ExpertRecord:
-    """One expert's state: rows MASTER, GRAD, EXP_AVG, EXP_AVG_SQ (fp32 [P] each); step_t;
-    on the host tier also `data_4P`, the [4, P] view of the rows."""
+    """One expert's state: rows MASTER, GRAD, EXP_AVG, EXP_AVG_SQ; step_t; on the host tier
+    also `data_4P`, the [4, P] view of the rows (fp32 records only). With fp32 state every row
+    is an fp32 [P] view; otherwise each is what the store's StateFormat keeps (a bf16 [P]
+    master or moment, an int8 moment's raw uint8 row; the gradient is always fp32)."""
 
     def __init__(self, key: Key, rows: Sequence[torch.Tensor], step_t: torch.Tensor,
                  data_4P: torch.Tensor | None = None) -> None:
@@ -170,6 +182,7 @@ class ExpertStore:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
+        self.format = config.state
         self.layouts: list[ExpertLayout] = []
         self.num_experts: list[int] = []
         self._host: list[torch.Tensor] = []            # host tier: [E, 4, P] per layer
@@ -206,6 +219,15 @@ class ExpertStore:
             self._add_disk_layer(layout, num_experts, master)
             self._register(layout, None, steps_E)
             return layer
+        if not self.format.exact:     # byte records in the format's geometry
+            geo = RecordGeometry(self.format, layout.numel, align=64)
+            data_EB = torch.zeros(num_experts, geo.total, dtype=torch.uint8)
+            if self.config.pin_memory:
+                data_EB = data_EB.pin_memory()
+            for e in range(num_experts):
+                geo.typed(data_EB[e], POS_MASTER).copy_(master(e))   # round to nearest
+            self._register(layout, data_EB, steps_E)
+            return layer
         data_E4P = torch.zeros(num_experts, 4, layout.numel, dtype=torch.float32)
         if self.config.shared_memory:
             data_E4P.share_memory_()
@@ -224,8 +246,9 @@ class ExpertStore:
         if self.disk is None:
             cache = self.config.host_cache_bytes
             self.disk = DiskTier(self.config.directory, cache or 0, self.config.io_threads,
-                                 self.config.pin_memory, direct_io=self.config.direct_io)
-        record = 4 * align_up(4 * layout.numel)
+                                 self.config.pin_memory, direct_io=self.config.direct_io,
+                                 state=self.format)
+        record = RecordGeometry(self.format, layout.numel).total
         cache = self.disk.host_cache_bytes
         if cache and 2 * record > cache:
             raise ValueError(
@@ -278,10 +301,10 @@ class ExpertStore:
             raise ValueError(f"attach_disk needs tier='disk', not {config.tier!r}")
         store = cls(config)
         store.disk = DiskTier(config.directory, config.host_cache_bytes or 0, config.io_threads,
-                              config.pin_memory, direct_io=config.direct_io)
+                              config.pin_memory, direct_io=config.direct_io, state=config.state)
         for layer, layout in enumerate(layouts):
             num = sum(1 for key in sums if key[0] == layer)
-            store.disk.numels.append(layout.numel)
+            store.disk.register_layer(layout.numel)
             for e in range(num):
                 store.disk.gen[(layer, e)] = 0
                 store.disk.sums[(layer, e)] = {int(p): list(c) for p, c in
@@ -309,8 +332,14 @@ class ExpertStore:
                 yield (layer, e)
 
     def state_bytes(self) -> int:
-        """fp32 bytes of every expert's master, gradient and moments."""
-        return sum(lay.record_bytes() * n for lay, n in zip(self.layouts, self.num_experts))
+        """Bytes of every expert's master, gradient and moments in the store's format."""
+        return sum(lay.record_bytes(self.format) * n
+                   for lay, n in zip(self.layouts, self.num_experts))
+
+    def geometry(self, layer: int) -> RecordGeometry:
+        """Where a record's rows lie (host-tier byte records: 64-byte rows; disk: 4 KiB)."""
+        return RecordGeometry(self.format, self.layouts[layer].numel,
+                              align=64 if self.config.tier == "host" else None)
 
     # ----------------------------------------------------------------- access
     def acquire(self, key: Key, rows: int = ALL) -> ExpertRecord:
@@ -318,6 +347,10 @@ class ExpertStore:
         mask of records.M | A | S | G) are guaranteed loaded (blocks on reads)."""
         if self.config.tier == "host":
             layer, e = key
+            if not self.format.exact:
+                geo, data_B = self.geometry(layer), self._host[layer][e]
+                return ExpertRecord(key, [geo.typed(data_B, pos) for pos in LOGICAL_POS],
+                                    self._steps[key])
             data_4P = self._host[layer][e]
             return ExpertRecord(key, data_4P.unbind(0), self._steps[key], data_4P)
         self._ensure_disk_cache()
@@ -345,12 +378,57 @@ class ExpertStore:
         return rec.master_P, lambda: self.release(key)
 
     def read_record(self, key: Key) -> tuple[torch.Tensor, float]:
-        """A copy of one expert's record [4, P] (master, grad, moments) and its step count."""
+        """A copy of one expert's record [4, P] (master, grad, moments) as fp32, and its step
+        count (compact formats decoded)."""
         rec = self.acquire(key)
         try:
-            return torch.stack(rec.rows), float(rec.step_t)
+            if self.format.exact:
+                return torch.stack(rec.rows), float(rec.step_t)
+            master_P, exp_avg_P, exp_avg_sq_P = self._decode(rec)
+            return torch.stack([master_P, rec.grad_P.clone(), exp_avg_P, exp_avg_sq_P]), \
+                float(rec.step_t)
         finally:
             self.release(key)
+
+    def _decode(self, rec: ExpertRecord) -> tuple[torch.Tensor, ...]:
+        """Fresh fp32 copies of a record's master and moments."""
+        numel, codec = self.layouts[rec.key[0]].numel, StateCodec(self.format)
+        out = [torch.empty(numel) for _ in range(3)]
+        codec.decode_master(rec.master_P, numel, out[0])
+        codec.decode_moment(rec.exp_avg_P, numel, True, "m", out[1])
+        codec.decode_moment(rec.exp_avg_sq_P, numel, False, "v", out[2])
+        return tuple(out)
+
+    def get_state(self, key: Key) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 copies of an expert's master, exp_avg and exp_avg_sq (whatever the format)."""
+        rec = self.acquire(key, STATE)
+        try:
+            return self._decode(rec)
+        finally:
+            self.release(key)
+
+    def put_state(self, key: Key, master_P: torch.Tensor, exp_avg_P: torch.Tensor | None,
+                  exp_avg_sq_P: torch.Tensor | None) -> None:
+        """Set an expert's master and moments from fp32 [P] tensors (None: zero moments),
+        encoded in the store's format (a bf16 master rounds to nearest); the gradient
+        accumulator is zeroed. The caller sets the step count and bumps the version."""
+        rec = self.acquire(key, STATE)
+        try:
+            codec = StateCodec(self.format)
+            numel = self.layouts[key[0]].numel
+            if self.format.master == "bf16":
+                rec.master_P.copy_(master_P.reshape(-1))
+            else:
+                codec.encode_master(master_P.reshape(-1), rec.master_P, ())
+            for row, value, signed in ((rec.exp_avg_P, exp_avg_P, True),
+                                       (rec.exp_avg_sq_P, exp_avg_sq_P, False)):
+                value = torch.zeros(numel) if value is None else \
+                    value.reshape(-1).to(torch.float32, copy=True)
+                codec.encode_moment(value, row, signed)
+            if self.config.tier == "host":
+                rec.grad_P.zero_()
+        finally:
+            self.release(key, dirty=True, rows=STATE, grad_zero=True)
 
     def release(self, key: Key, dirty: bool = False, rows: int = ALL,
                 grad_zero: bool = False) -> None:

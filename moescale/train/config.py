@@ -34,6 +34,7 @@ import tomli_w
 from moescale.offload.config import OFFLOAD_TIERS, PLANNER_RATES, OffloadConfig
 from moescale.offload.experts import POLICIES
 from moescale.offload.optimizer import STEP_MODES
+from moescale.offload.state_format import MASTERS, MOMENTS
 from moescale.parallel.groups import BACKENDS, PLACEMENTS, REUSE_CHOICES, ParallelConfig
 from moescale.routing.config import ROUTER_KINDS
 from moescale.train.field_docs import field_docs
@@ -245,7 +246,8 @@ RUN_DEFAULTS = {"offload": {"tier": "device-only", "step_mode": "deferred"},
 DERIVED = {"offload.device": "train.device", "offload.compute_dtype": "train.precision",
            "offload.optimizer": "the [optim] section",
            "offload.tokens_per_micro_batch": "train.batch_size x train.seq_len",
-           "offload.shared_memory": "parallel.placement (dynamic keeps the store in /dev/shm)"}
+           "offload.shared_memory": "parallel.placement (dynamic keeps the store in /dev/shm)",
+           "offload.seed": "train.seed"}
 
 # Option names of earlier versions (config.toml files of older runs, scripts) -> today's.
 ALIASES = {"offload.mode": "offload.tier", "offload.device_budget": "offload.device_budget_bytes",
@@ -277,7 +279,8 @@ class RunConfig:
 CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTER_KINDS, "optim.schedule": SCHEDULES,
            "train.precision": PRECISIONS, "offload.tier": OFFLOAD_TIERS,
            "offload.step_mode": STEP_MODES, "offload.activation_policy": POLICIES,
-           "offload.rates": PLANNER_RATES, "parallel.reuse": REUSE_CHOICES,
+           "offload.rates": PLANNER_RATES, "offload.master": MASTERS,
+           "offload.moments": MOMENTS, "parallel.reuse": REUSE_CHOICES,
            "parallel.placement": PLACEMENTS, "parallel.backend": BACKENDS,
            "data.token_dtype": TOKEN_DTYPES}
 

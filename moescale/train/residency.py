@@ -31,8 +31,8 @@ import torch
 from moescale.expert_step import ResidentStep
 from moescale.layers.moe import MoE
 from moescale.offload import offload_moe
-from moescale.offload.direct_io import align_up
 from moescale.offload.planner import fmt_bytes
+from moescale.offload.state_format import RecordGeometry
 from moescale.offload.stepping import OffloadStep, dir_bytes
 from moescale.offload.store import default_host_cache
 from moescale.train.config import RunConfig
@@ -98,7 +98,8 @@ class Offloaded:
         device, precision, the directory, a default budget and host cache, the planner's batch."""
         oc, tc = self.config.offload, self.config.train
         device = "auto" if tc.device == "auto" else tc.device.partition(":")[0]
-        changes = dict(device=device, compute_dtype=PRECISION_DTYPES[tc.precision])
+        changes = dict(device=device, compute_dtype=PRECISION_DTYPES[tc.precision],
+                       seed=tc.seed)
         if oc.tier != "auto" and oc.device_budget_bytes is None \
                 and oc.device_budget_experts is None:
             changes["device_budget_experts"] = 3.0   # double-buffered uploads, fwd and bwd
@@ -107,10 +108,11 @@ class Offloaded:
                 self.disk_dir.mkdir(parents=True, exist_ok=True)
             changes["directory"] = str(self.disk_dir)
         if oc.tier == "disk" and oc.host_cache_bytes is None:
-            record = max(4 * align_up(4 * sum(p.numel() for p in m.experts.parameters()) //
-                                      _local_experts(m)) for m in _moes(model))   # as stored
-            total = sum(16 * sum(p.numel() for p in m.experts.parameters())
-                        for m in _moes(model))
+            record = max(RecordGeometry(oc.state, sum(p.numel() for p in m.experts.parameters())
+                                        // _local_experts(m)).total
+                         for m in _moes(model))   # as stored
+            total = sum(int((oc.state.state_bytes_per_param() + 4) * sum(
+                p.numel() for p in m.experts.parameters())) for m in _moes(model))
             changes["host_cache_bytes"] = default_host_cache(record, total)
         if oc.tier == "auto":
             changes["tokens_per_micro_batch"] = tc.batch_size * tc.seq_len
@@ -148,7 +150,7 @@ class Offloaded:
         for m in _moes(model):
             local = _local_experts(m)
             numel = sum(p.numel() for p in m.experts.parameters()) // local
-            state += 4 * align_up(4 * numel) * local
+            state += RecordGeometry(self.config.offload.state, numel).total * local
         periodic = 0 < tc.checkpoint_interval < tc.steps
         copies = tc.keep_last if periodic else 0
         ckpt_dir = self.run_dir / "checkpoints"
@@ -228,6 +230,10 @@ def check_residency(config: RunConfig) -> None:
                          "'offload' is not supported: the streamed shared-store experts keep "
                          "or recompute their hidden; use offload.activation_policy keep or "
                          "recompute")
+    if pc.placement == "dynamic" and not oc.state.exact:
+        raise ValueError(f"parallel.placement='dynamic' with offload.master={oc.master!r}, "
+                         f"offload.moments={oc.moments!r} is not supported: the node's shared "
+                         "store holds fp32 records; use fp32 master and moments")
     if pc.placement == "dynamic" and oc.step_mode == "eager":
         raise ValueError("parallel.placement='dynamic' with offload.step_mode='eager' is not "
                          "supported: each expert is stepped by its owner after backward, "
