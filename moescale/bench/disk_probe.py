@@ -205,6 +205,8 @@ def dd_bandwidth(directory: str, cold_files: list[str], file_bytes: int, nbytes:
     """Bytes/s of `dd` with direct I/O at `block` bytes per request: `read` of the first
     file_bytes of cold files (consumed from the list, as store_path_bandwidth does), `write`
     of random data (from a source held in the page cache) over an allocated file, fsynced."""
+    if file_bytes < block:
+        return None      # nothing whole to read at that request size
     src = os.path.join(directory, f".moescale-dd-src-{os.getpid()}.bin")
     path = os.path.join(directory, f".moescale-dd-{os.getpid()}.bin")
     count = max(1, nbytes // block)

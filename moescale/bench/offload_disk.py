@@ -49,7 +49,10 @@ import torch
 from moescale.bench import disk_probe
 from moescale.bench.measure import hardware_tag, write_json
 from moescale.bench.offload import MoEStack, training_step
-from moescale.offload.direct_io import CHUNK_BYTES, align_up
+from moescale.bench.offload_disk_report import print_run, summarise, targets
+from moescale.offload.direct_io import CHUNK_BYTES
+from moescale.offload.records import POS_GRAD, POS_MASTER
+from moescale.offload.state_format import RecordGeometry, StateFormat
 
 GIB = 1 << 30
 
@@ -75,10 +78,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--probe-gb", type=float, default=2.0, help="size of each bandwidth probe")
     p.add_argument("--dir", default=None, help="where the expert files go (default: a temp "
-                   "directory under /var/tmp)")
-    p.add_argument("--out", default=None)
+                   "directory under /var/tmp); each format's files are removed after its run "
+                   "unless --keep")
+    p.add_argument("--keep", action="store_true", help="keep the expert files under --dir")
+    p.add_argument("--formats", default="fp32+fp32,bf16+int8", help="expert state formats to "
+                   "run back to back on the same experts, each MASTER+MOMENTS (master fp32 | "
+                   "bf16, moments fp32 | bf16 | int8), comma-separated")
+    p.add_argument("--out", default=None, help="the JSON result (default: benchmarks/results/"
+                   "offload_disk_<hardware>.json)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--format", default="fp32+fp32", help=argparse.SUPPRESS)   # the child's
     return p
+
+
+def parse_formats(text: str) -> list[StateFormat]:
+    """'fp32+fp32,bf16+int8' -> StateFormats; ValueError naming a bad entry."""
+    out = []
+    for item in text.split(","):
+        master, plus, moments = item.strip().partition("+")
+        if not plus:
+            raise ValueError(f"--formats entry {item!r} is not MASTER+MOMENTS (e.g. bf16+int8)")
+        out.append(StateFormat(master=master, moments=moments))
+    return out
+
+
+def _format_of(text: str) -> StateFormat:
+    return parse_formats(text)[0]
 
 
 def _expert_params(args) -> int:
@@ -126,8 +151,9 @@ def _probe(args, cold: list[str], request_bytes: int, read_share: float,
     for _ in range(rounds):
         store = disk_probe.store_path_bandwidth(args.dir, cold, request_bytes, nbytes,
                                                 threads=args.io_threads, read_share=read_share)
-        dd = disk_probe.dd_bandwidth(args.dir, cold, request_bytes // CHUNK_BYTES * CHUNK_BYTES,
-                                     nbytes, CHUNK_BYTES) or {}
+        block = max(4096, min(CHUNK_BYTES, request_bytes) // 4096 * 4096)  # small records too
+        dd = disk_probe.dd_bandwidth(args.dir, cold, request_bytes // block * block, nbytes,
+                                     block) or {}
         for key, value in [*((f"store_{k}", v) for k, v in store.items()),
                            *((f"dd_{k}", v) for k, v in dd.items())]:
             seen.setdefault(key, []).append(value)
@@ -137,9 +163,10 @@ def _probe(args, cold: list[str], request_bytes: int, read_share: float,
 def _child(args) -> dict:
     from moescale.offload import OffloadConfig, offload_moe
 
-    row = align_up(4 * _expert_params(args))
-    experts = args.layers * args.experts
-    read_share = (experts + 3 * experts) / (experts + 6 * experts)   # the scheme's mix
+    fmt = _format_of(args.format)
+    geo = RecordGeometry(fmt, _expert_params(args))
+    master_row, state_rows = geo.strides[POS_MASTER], geo.offsets[POS_GRAD]
+    read_share = (master_row + state_rows) / (master_row + 2 * state_rows)  # the scheme's mix
     compute_s = _compute_estimate(args)
     adam_rate = _host_adam_rate()
     torch.manual_seed(0)
@@ -154,7 +181,8 @@ def _child(args) -> dict:
     engine = offload_moe(model, OffloadConfig(
         tier="disk", directory=args.dir, host_cache_bytes=int(args.host_cache_gb * GIB),
         device=args.device, device_budget_experts=args.device_budget_experts,
-        step_mode="eager", io_threads=args.io_threads), expert_init=init)
+        step_mode="eager", io_threads=args.io_threads, master=fmt.master,
+        moments=fmt.moments), expert_init=init)
     init_s = time.perf_counter() - start
     store = engine.store
     probes = []
@@ -172,6 +200,7 @@ def _child(args) -> dict:
         if i == 1:   # the peak of the timed steps alone (not the probes' buffers)
             disk_probe.reset_peak_rss()
         read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.cache.wait_seconds
+        optim0 = engine.optimizer.step_seconds
         cached0 = disk_probe.page_cache_bytes()
         dev_io.take(), busy.take()
         cpu0 = os.times()
@@ -190,17 +219,20 @@ def _child(args) -> dict:
             page_cache_growth_bytes=disk_probe.page_cache_bytes() - cached0,
             upload_wait_s=engine.cache.wait_seconds - wait0,
             user_cpu_s=cpu1.user - cpu0.user, system_cpu_s=cpu1.system - cpu0.system,
-            min_read_bytes=row * (sum(routed) + 3 * experts), min_write_bytes=3 * row * experts))
+            optimizer_s=engine.optimizer.step_seconds - optim0,
+            min_read_bytes=master_row * sum(routed) + state_rows * experts,
+            min_write_bytes=state_rows * experts))
         s = steps[-1]
         if i == 0:   # the warm-up wrote every record whole: now the probe reads real files
             cold = [store.path(k) for k in store.keys()]
             random.Random(0).shuffle(cold)
-            probes.append(_probe(args, cold, 3 * row, read_share))
+            probes.append(_probe(args, cold, state_rows, read_share))
         print(f"  step {i}{' (warm-up)' if i == 0 else ''}: {elapsed:.1f} s, read "
               f"{s['bytes_read'] / GIB:.2f} GiB (device {dev_read / GIB:.2f}), written "
               f"{s['bytes_written'] / GIB:.2f} GiB (device {dev_written / GIB:.2f}), disk busy "
               f"{s['disk_busy_s'] or 0:.1f} s, upload wait {s['upload_wait_s']:.1f} s, CPU user "
-              f"{s['user_cpu_s']:.1f} s system {s['system_cpu_s']:.1f} s",
+              f"{s['user_cpu_s']:.1f} s system {s['system_cpu_s']:.1f} s, host optimizer "
+              f"{s['optimizer_s']:.1f} s",
               flush=True)
     steps_peak_rss = disk_probe.peak_rss_bytes()
     peak_cache = store.peak_cache_bytes
@@ -209,10 +241,12 @@ def _child(args) -> dict:
     cold = [store.path(k) for k in store.keys()]
     random.Random(1).shuffle(cold)
     engine.close()
-    probes.append(_probe(args, cold, 3 * row, read_share))
+    probes.append(_probe(args, cold, state_rows, read_share))
     expert_params = _expert_params(args) * args.layers * args.experts
-    return dict(expert_state_bytes=16 * expert_params, expert_params=expert_params,
-                row_bytes=row, init_seconds=init_s, steps=steps, probes=probes,
+    return dict(format=fmt.name, expert_state_bytes=16 * expert_params,
+                expert_params=expert_params, record_bytes=geo.total,
+                files_bytes=args.layers * args.experts * geo.total,
+                master_row_bytes=master_row, state_row_bytes=state_rows, init_seconds=init_s, steps=steps, probes=probes,
                 direct_io=direct, compute_resident_2experts_s=compute_s,
                 host_adam_params_per_s=adam_rate, peak_host_cache_bytes=peak_cache,
                 device_peak_bytes=device_peak, device_budget_bytes=device_budget,
@@ -220,138 +254,94 @@ def _child(args) -> dict:
                 steps_peak_rss_bytes=steps_peak_rss)
 
 
-def _best(probes: list[dict], key: str) -> float | None:
-    values = [p[key] for p in probes if key in p]
-    return max(values) if values else None
+def _check(args) -> list[StateFormat]:
+    for name in ("layers", "d_model", "d_ff", "experts", "top_k", "tokens", "steps",
+                 "io_threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    for name in ("host_cache_gb", "probe_gb", "device_budget_experts"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
+    if args.past_ram is not None and not args.past_ram > 0:
+        raise ValueError(f"--past-ram {args.past_ram} must be > 0")
+    if args.top_k > args.experts and args.past_ram is None:
+        raise ValueError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    return parse_formats(args.formats)
 
 
-def _summarise(args, res: dict) -> dict:
-    timed = [s for s in res["steps"] if not s["warmup"]] or res["steps"]
-
-    def avg(key):
-        return sum(s[key] for s in timed) / len(timed)
-    step_s = statistics.median(s["seconds"] for s in timed)
-    read_bw, write_bw = _best(res["probes"], "store_read"), _best(res["probes"], "store_write")
-    mixed_bw = _best(res["probes"], "store_mixed")
-    moved_read, moved_write = avg("device_read_bytes"), avg("device_write_bytes")
-    # reads and writes in flight together, as in a step (the device overlaps them)
-    io_floor = (moved_read + moved_write) / mixed_bw
-    additive_floor = moved_read / read_bw + moved_write / write_bw
-    compute = res["compute_resident_2experts_s"] + \
-        res["expert_params"] / res["host_adam_params_per_s"]
-    logical = avg("bytes_read") + avg("bytes_written")
-    minimum = avg("min_read_bytes") + avg("min_write_bytes")
-    out = dict(step_median_s=step_s, step_times_s=[s["seconds"] for s in timed],
-               tokens_per_s=args.tokens / step_s, store_read_bytes_per_step=avg("bytes_read"),
-               store_write_bytes_per_step=avg("bytes_written"),
-               device_read_bytes_per_step=moved_read, device_write_bytes_per_step=moved_write,
-               device_over_logical_reads=moved_read / max(1, avg("bytes_read")),
-               min_bytes_per_step=minimum, moved_over_min=logical / minimum,
-               page_cache_growth_max_bytes=max(s["page_cache_growth_bytes"] for s in timed),
-               disk_busy_fraction=(avg("disk_busy_s") / step_s
-                                   if all(s["disk_busy_s"] is not None for s in timed) else None),
-               upload_wait_fraction=avg("upload_wait_s") / step_s,
-               user_cpu_s_per_step=avg("user_cpu_s"), system_cpu_s_per_step=avg("system_cpu_s"),
-               store_read_bytes_per_s=read_bw, store_write_bytes_per_s=write_bw,
-               store_mixed_bytes_per_s=mixed_bw, io_floor_s=io_floor,
-               io_floor_additive_s=additive_floor, compute_estimate_s=compute,
-               step_over_floor=step_s / max(compute, io_floor))
-    dd_read, dd_write = _best(res["probes"], "dd_read"), _best(res["probes"], "dd_write")
-    if dd_read:
-        out.update(dd_read_bytes_per_s=dd_read, dd_write_bytes_per_s=dd_write,
-                   store_over_dd_read=read_bw / dd_read, store_over_dd_write=write_bw / dd_write)
-    return out
+def _run_format(args, argv: list[str], fmt: StateFormat) -> tuple[dict, dict]:
+    """One child process training the experts in `fmt`; its result and summary."""
+    geo = RecordGeometry(fmt, _expert_params(args))
+    state = args.layers * args.experts * geo.total
+    root = args.dir or tempfile.mkdtemp(prefix="moescale-disk-", dir="/var/tmp")
+    os.makedirs(root, exist_ok=True)
+    where = tempfile.mkdtemp(prefix=f"offload-disk-{fmt.master}-{fmt.moments}-", dir=root)
+    try:
+        free = shutil.disk_usage(where).free
+        if free < state + 2 * args.probe_gb * GIB:
+            raise ValueError(f"--dir {root!r} has {free / GIB:.1f} GiB free; the expert state "
+                             f"({fmt.name}) needs {state / GIB:.1f} GiB plus the bandwidth "
+                             "probes: choose another --dir or a smaller model")
+        print(f"\n[{fmt.name}] expert state {state / GIB:.2f} GiB ({args.layers} layers x "
+              f"{args.experts} experts) on the disk tier under {where}, host cache "
+              f"{args.host_cache_gb} GiB; child process starting", flush=True)
+        result_path = os.path.join(where, "child-result.json")
+        # the child parses the same options; the later --dir and --format win
+        cmd = [sys.executable, "-m", "moescale.bench.offload_disk", *argv, "--dir", where,
+               "--format", f"{fmt.master}+{fmt.moments}", "--child", result_path]
+        subprocess.run(cmd, check=True)
+        res = json.loads(Path(result_path).read_text())
+    finally:
+        if not args.keep:
+            shutil.rmtree(where if args.dir else root, ignore_errors=True)
+    return res, summarise(args, res)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
-    if args.past_ram is not None:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        formats = _check(args)
+        _format_of(args.format)
+    except ValueError as err:
+        print(f"moescale bench offload-disk: {err}", file=sys.stderr)
+        return 2
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if args.past_ram is not None:   # sized by fp32 state: every format trains these experts
         per_layer = 16 * _expert_params(args) * args.layers
         args.experts = int(-(-args.past_ram * ram // per_layer))
         argv = [*argv, "--experts", str(args.experts)]
     if args.child is not None:
         Path(args.child).write_text(json.dumps(_child(args)))
         return 0
-    state = args.layers * args.experts * 4 * align_up(4 * _expert_params(args))
-    tmp = None
-    if args.dir is None:
-        tmp = tempfile.mkdtemp(prefix="moescale-disk-", dir="/var/tmp")
-        args.dir = tmp
-    free = shutil.disk_usage(args.dir).free
-    if free < state + 2 * args.probe_gb * GIB:
-        raise ValueError(f"--dir {args.dir!r} has {free / GIB:.1f} GiB free; the expert state "
-                         f"needs {state / GIB:.1f} GiB plus the bandwidth probes: choose another "
-                         "--dir or a smaller model")
-    print(f"expert state {state / GIB:.2f} GiB ({args.layers} layers x {args.experts} experts) "
-          f"on the disk tier under {args.dir}, host cache {args.host_cache_gb} GiB; child "
-          "process starting", flush=True)
-    result_path = os.path.join(args.dir, "child-result.json")
-    # the child parses the same options; the later --dir (the chosen one) wins
-    cmd = [sys.executable, "-m", "moescale.bench.offload_disk", *argv, "--dir", args.dir,
-           "--child", result_path]
     try:
-        subprocess.run(cmd, check=True)
-        res = json.loads(Path(result_path).read_text())
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    s = _summarise(args, res)
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    targets = [
-        ("expert state >= 1.3x physical RAM", res["expert_state_bytes"] >= 1.3 * ram,
-         res["expert_state_bytes"] / ram),
-        ("peak RSS <= 2.5 GiB", res["peak_rss_bytes"] <= 2.5 * GIB, res["peak_rss_bytes"]),
-        ("page-cache growth <= 1 GiB", s["page_cache_growth_max_bytes"] <= GIB,
-         s["page_cache_growth_max_bytes"]),
-        ("device reads >= 0.95x the store's", s["device_over_logical_reads"] >= 0.95,
-         s["device_over_logical_reads"]),
-        ("step <= 1.25x max(compute, IO floor)", s["step_over_floor"] <= 1.25,
-         s["step_over_floor"]),
-        ("bytes moved <= 1.05x the scheme's minimum", s["moved_over_min"] <= 1.05,
-         s["moved_over_min"])]
-    if "store_over_dd_read" in s:
-        targets.append(("store path >= 0.85x dd (read and write)",
-                        min(s["store_over_dd_read"], s["store_over_dd_write"]) >= 0.85,
-                        min(s["store_over_dd_read"], s["store_over_dd_write"])))
-    print(f"\nexpert state        {res['expert_state_bytes'] / 1e9:.2f} GB "
-          f"({res['expert_state_bytes'] / ram:.2f}x RAM), direct I/O {res['direct_io']}")
-    print(f"peak RSS (child)    {res['peak_rss_bytes'] / GIB:.2f} GiB over the whole process "
-          f"(bandwidth probes included), {res['steps_peak_rss_bytes'] / GIB:.2f} GiB in the "
-          "timed steps")
-    print(f"step (median)       {s['step_median_s']:.1f} s ({', '.join(f'{t:.1f}' for t in s['step_times_s'])}), "
-          f"{s['tokens_per_s']:.1f} tokens/s")
-    print(f"store per step      read {s['store_read_bytes_per_step'] / GIB:.2f} GiB, written "
-          f"{s['store_write_bytes_per_step'] / GIB:.2f} GiB; minimum "
-          f"{s['min_bytes_per_step'] / GIB:.2f} GiB (moved/min {s['moved_over_min']:.3f})")
-    print(f"device per step     read {s['device_read_bytes_per_step'] / GIB:.2f} GiB "
-          f"({s['device_over_logical_reads']:.3f}x the store's), written "
-          f"{s['device_write_bytes_per_step'] / GIB:.2f} GiB; page cache grew at most "
-          f"{s['page_cache_growth_max_bytes'] / 2**20:.0f} MiB")
-    line = (f"store path          read {s['store_read_bytes_per_s'] / 1e9:.2f} GB/s, write "
-            f"{s['store_write_bytes_per_s'] / 1e9:.2f} GB/s, both at once "
-            f"{s['store_mixed_bytes_per_s'] / 1e9:.2f} GB/s")
-    if "dd_read_bytes_per_s" in s:
-        line += (f"; dd direct read {s['dd_read_bytes_per_s'] / 1e9:.2f}, write "
-                 f"{s['dd_write_bytes_per_s'] / 1e9:.2f} GB/s (store/dd "
-                 f"{s['store_over_dd_read']:.2f}, {s['store_over_dd_write']:.2f})")
-    print(line)
-    busy = s["disk_busy_fraction"]
-    print(f"floor               IO {s['io_floor_s']:.1f} s (reads and writes one after the other: "
-          f"{s['io_floor_additive_s']:.1f} s), compute {s['compute_estimate_s']:.1f}"
-          f" s; step / floor = {s['step_over_floor']:.2f}; disk busy "
-          f"{'n/a' if busy is None else f'{100 * busy:.0f}%'}, main thread waiting on uploads "
-          f"{100 * s['upload_wait_fraction']:.0f}%")
-    for name, ok, _ in targets:
-        print(f"{'PASS' if ok else 'FAIL'}: {name}")
+        runs = [_run_format(args, argv, fmt) for fmt in formats]
+    except ValueError as err:
+        print(f"moescale bench offload-disk: {err}", file=sys.stderr)
+        return 2
+    records = []
+    for res, s in runs:
+        checks = targets(res, s, ram)
+        print_run(res, s, ram, checks)
+        records.append(dict(result=res, **s, targets=[dict(name=n, passed=ok, value=v)
+                                                      for n, ok, v in checks]))
+    base = runs[0][1]
+    print(f"\n{'format':<26} {'bytes/param/step':>16} {'minimum':>8} {'step s':>7} "
+          f"{'step / first':>12} {'optimizer share':>15}")
+    for res, s in runs:
+        print(f"{res['format']:<26} {s['device_bytes_per_param_per_step']:>16.2f} "
+              f"{s['min_bytes_per_param_per_step']:>8.2f} {s['step_median_s']:>7.1f} "
+              f"{s['step_median_s'] / base['step_median_s']:>12.3f} "
+              f"{100 * s['optimizer_share_of_step']:>14.0f}%")
     tag = hardware_tag(torch.device(args.device))
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"offload_disk_{tag}.json"
     write_json(out, dict(benchmark="offload-disk", hardware=tag, cpu_flags=disk_probe.cpu_flags(),
                          physical_ram_bytes=ram,
-                         config={k: v for k, v in vars(args).items() if k != "child"},
-                         result=res, **s,
-                         targets=[dict(name=n, passed=ok, value=v) for n, ok, v in targets]))
+                         config={k: v for k, v in vars(args).items() if k not in ("child",
+                                                                                  "format")},
+                         runs=records,
+                         step_over_first=[s["step_median_s"] / base["step_median_s"]
+                                          for _, s in runs]))
     print(f"wrote {out}")
     return 0
 

@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 
 from moescale.offload.direct_io import align_up
-from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER
+from moescale.offload.records import POS_GRAD, POS_MASTER
 
 MASTERS = ("fp32", "bf16")
 MOMENTS = ("fp32", "bf16", "int8")

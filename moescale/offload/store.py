@@ -45,7 +45,6 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from moescale.offload import records
-from moescale.offload.direct_io import align_up
 from moescale.offload.disk_tier import DiskTier
 from moescale.offload.records import ALL, POS_MASTER, STATE
 from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat

@@ -1,0 +1,134 @@
+"""Training with compact expert state (bf16 master, bf16 / int8 moments) end to end: the host
+and disk tiers give bitwise the same losses for one format, every format tracks fp32 state, a
+run resumed from expert shards or from a store checkpoint continues bitwise, and checkpoints
+load across formats (fp32 state into a compact store and back)."""
+
+import copy
+
+import pytest
+import torch
+
+import moescale
+from moescale.expert_state import load_expert_shards, save_expert_shards
+from moescale.offload import OffloadConfig, offload_moe
+
+FORMATS = [("bf16", "int8"), ("fp32", "int8"), ("bf16", "bf16"), ("fp32", "bf16")]
+
+
+def build(tmp_path, tier, master, moments, name="store"):
+    torch.manual_seed(0)
+    cfg = moescale.gpt_config("tiny", n_layers=2, d_model=64, n_heads=2, d_ff=128)
+    model = moescale.GPT(cfg)
+    directory = None
+    if tier == "disk":
+        directory = tmp_path / f"{name}-{master}-{moments}"
+        directory.mkdir(exist_ok=True)
+    engine = offload_moe(model, OffloadConfig(
+        tier=tier, directory=None if directory is None else str(directory),
+        host_cache_bytes=(1 << 20) if tier == "disk" else None, device_budget_experts=3,
+        step_mode="eager", master=master, moments=moments, seed=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    engine.follow(opt)
+    return model, opt, engine
+
+
+def train(model, opt, engine, steps, first=0):
+    out = []
+    for step in range(first, first + steps):
+        batch = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(step))
+        engine.begin_micro_batch(last=True)
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        engine.step()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("master,moments", FORMATS[:1])
+def test_host_and_disk_tiers_train_bitwise_alike(tmp_path, master, moments):
+    runs = []
+    for tier in ("host", "disk"):
+        model, opt, engine = build(tmp_path, tier, master, moments)
+        runs.append(train(model, opt, engine, 5))
+        engine.close()
+    assert runs[0] == runs[1]
+
+
+def test_every_format_tracks_fp32_state(tmp_path):
+    model, opt, engine = build(tmp_path, "host", "fp32", "fp32")
+    exact = train(model, opt, engine, 8)
+    engine.close()
+    for master, moments in FORMATS:
+        model, opt, engine = build(tmp_path, "host", master, moments)
+        got = train(model, opt, engine, 8)
+        engine.close()
+        assert all(abs(a - b) / b < 5e-3 for a, b in zip(got, exact)), (master, moments, got)
+        assert got != exact        # it is another format (the first step's forward aside)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_expert_shards_resume_bitwise(tmp_path, tier):
+    model, opt, engine = build(tmp_path, tier, "bf16", "int8")
+    train(model, opt, engine, 3)
+    entry = save_expert_shards(model, str(tmp_path), rank=0, tag="00000003", optimizer=opt,
+                               engine=engine)
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    dense_opt = copy.deepcopy(opt.state_dict())
+    rest = train(model, opt, engine, 3, first=3)
+    engine.close()
+    model, opt, engine = build(tmp_path, tier, "bf16", "int8", name="resumed")
+    model.load_state_dict(dense, strict=False)
+    opt.load_state_dict(dense_opt)
+    counts = load_expert_shards(model, str(tmp_path), [entry], optimizer=opt, engine=engine)
+    assert counts["adopted"] == (counts["experts"] if tier == "disk" else 0)
+    assert train(model, opt, engine, 3, first=3) == rest
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_store_checkpoint_resumes_bitwise(tmp_path, tier):
+    model, opt, engine = build(tmp_path, tier, "bf16", "int8")
+    train(model, opt, engine, 3)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    engine.save_checkpoint(str(ckpt), tag="00000003")
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    dense_opt = copy.deepcopy(opt.state_dict())
+    rest = train(model, opt, engine, 3, first=3)
+    engine.close()
+    model, opt, engine = build(tmp_path, tier, "bf16", "int8", name="resumed")
+    model.load_state_dict(dense, strict=False)
+    opt.load_state_dict(dense_opt)
+    engine.load_checkpoint(str(ckpt), tag="00000003")
+    assert train(model, opt, engine, 3, first=3) == rest
+    engine.close()
+
+
+def test_checkpoints_load_across_formats(tmp_path):
+    """fp32 expert shards into a compact disk store (masters rounded to bf16, moments
+    quantised), and that store's shards into an fp32 host store (decoded exactly)."""
+    model, opt, engine = build(tmp_path, "host", "fp32", "fp32")
+    train(model, opt, engine, 2)
+    exact = (tmp_path / "exact")
+    exact.mkdir()
+    entry = save_expert_shards(model, str(exact), rank=0, tag="2", optimizer=opt, engine=engine)
+    want = engine.store.get_state((0, 3))
+    engine.close()
+    model, opt, engine = build(tmp_path, "disk", "bf16", "int8")
+    counts = load_expert_shards(model, str(exact), [entry], optimizer=opt, engine=engine)
+    assert counts["adopted"] == 0           # another format: decoded, then encoded
+    master, m, v = engine.store.get_state((0, 3))
+    assert torch.equal(master, want[0].to(torch.bfloat16).float())
+    assert float((m - want[1]).abs().max()) <= 0.02 * float(want[1].abs().max())
+    compact = tmp_path / "compact"
+    compact.mkdir()
+    entry = save_expert_shards(model, str(compact), rank=0, tag="2", optimizer=opt,
+                               engine=engine)
+    engine.close()
+    model, opt, engine = build(tmp_path, "host", "fp32", "fp32", name="back")
+    load_expert_shards(model, str(compact), [entry], optimizer=opt, engine=engine)
+    back = engine.store.get_state((0, 3))
+    assert all(torch.equal(a, b) for a, b in zip(back, (master, m, v)))
+    engine.close()
