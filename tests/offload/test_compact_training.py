@@ -68,12 +68,12 @@ def test_every_format_tracks_fp32_state(tmp_path):
         assert got != exact        # it is another format (the first step's forward aside)
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_expert_shards_resume_bitwise(tmp_path, tier):
+def resumed_bitwise(tmp_path, tier, save, load) -> bool:
+    """Train 3 steps, save(model, opt, engine), train 3 more; a fresh build given the dense
+    state and load(model, opt, engine, saved) trains those 3 with the same losses?"""
     model, opt, engine = build(tmp_path, tier, "bf16", "int8")
     train(model, opt, engine, 3)
-    entry = save_expert_shards(model, str(tmp_path), rank=0, tag="00000003", optimizer=opt,
-                               engine=engine)
+    saved = save(model, opt, engine)
     dense = {k: v.clone() for k, v in model.state_dict().items()}
     dense_opt = copy.deepcopy(opt.state_dict())
     rest = train(model, opt, engine, 3, first=3)
@@ -81,29 +81,31 @@ def test_expert_shards_resume_bitwise(tmp_path, tier):
     model, opt, engine = build(tmp_path, tier, "bf16", "int8", name="resumed")
     model.load_state_dict(dense, strict=False)
     opt.load_state_dict(dense_opt)
-    counts = load_expert_shards(model, str(tmp_path), [entry], optimizer=opt, engine=engine)
-    assert counts["adopted"] == (counts["experts"] if tier == "disk" else 0)
-    assert train(model, opt, engine, 3, first=3) == rest
+    load(model, opt, engine, saved)
+    again = train(model, opt, engine, 3, first=3)
     engine.close()
+    return again == rest
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_expert_shards_resume_bitwise(tmp_path, tier):
+    def save(model, opt, engine):
+        return save_expert_shards(model, str(tmp_path), rank=0, tag="00000003", optimizer=opt,
+                                  engine=engine)
+
+    def load(model, opt, engine, entry):
+        counts = load_expert_shards(model, str(tmp_path), [entry], optimizer=opt, engine=engine)
+        assert counts["adopted"] == (counts["experts"] if tier == "disk" else 0)
+    assert resumed_bitwise(tmp_path, tier, save, load)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_store_checkpoint_resumes_bitwise(tmp_path, tier):
-    model, opt, engine = build(tmp_path, tier, "bf16", "int8")
-    train(model, opt, engine, 3)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    engine.save_checkpoint(str(ckpt), tag="00000003")
-    dense = {k: v.clone() for k, v in model.state_dict().items()}
-    dense_opt = copy.deepcopy(opt.state_dict())
-    rest = train(model, opt, engine, 3, first=3)
-    engine.close()
-    model, opt, engine = build(tmp_path, tier, "bf16", "int8", name="resumed")
-    model.load_state_dict(dense, strict=False)
-    opt.load_state_dict(dense_opt)
-    engine.load_checkpoint(str(ckpt), tag="00000003")
-    assert train(model, opt, engine, 3, first=3) == rest
-    engine.close()
+    assert resumed_bitwise(
+        tmp_path, tier, lambda m, o, engine: engine.save_checkpoint(str(ckpt), tag="00000003"),
+        lambda m, o, engine, _: engine.load_checkpoint(str(ckpt), tag="00000003"))
 
 
 def test_checkpoints_load_across_formats(tmp_path):

@@ -31,6 +31,14 @@ def awkward(numel: int, seed: int = 0, signed: bool = True) -> torch.Tensor:
     return x if signed else x.abs()
 
 
+def reference_row(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_reference of x padded with zeros to whole blocks: (codes, scales)."""
+    nb = -(-x.numel() // BLOCK)
+    padded = torch.zeros(nb * BLOCK)
+    padded[:x.numel()] = x
+    return quantize_reference(padded, signed)
+
+
 def encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
     geo = RecordGeometry(INT8, x.numel())
     record = torch.zeros(geo.total, dtype=torch.uint8)
@@ -44,9 +52,7 @@ def test_int8_quantiser_is_its_definition_bitwise(numel, signed):
     x = awkward(numel, signed=signed)
     row = encode(x, signed)
     nb = -(-numel // BLOCK)
-    padded = torch.zeros(nb * BLOCK)
-    padded[:numel] = x
-    codes, scales = quantize_reference(padded, signed)
+    codes, scales = reference_row(x, signed)
     assert torch.equal(row[:nb * BLOCK], codes)
     assert torch.equal(row[nb * BLOCK:].view(torch.float32), scales)
 
@@ -159,9 +165,7 @@ def test_compact_step_against_torch_adamw_on_the_decoded_state():
             try:
                 for row, want, signed in ((rec.exp_avg_P, m, True), (rec.exp_avg_sq_P, v, False)):
                     nb = -(-numel // BLOCK)
-                    padded = torch.zeros(nb * BLOCK)
-                    padded[:numel] = want
-                    codes, scales = quantize_reference(padded, signed)
+                    codes, scales = reference_row(want, signed)
                     assert torch.equal(row[:nb * BLOCK], codes)
                     assert torch.equal(row[nb * BLOCK:].view(torch.float32), scales)
                 got = rec.master_P.float()
