@@ -22,7 +22,10 @@ things from a device, and nothing else:
 
 `SimulatedDevice(budget_bytes)` stands in for accelerator memory on CPU-only machines: device
 tensors are CPU tensors, every reservation is charged to the budget, and copies run on one
-worker thread (torch releases the GIL in copies, so the overlap with compute is real). An
+worker thread (torch releases the GIL in copies, so the overlap with compute is real). Upload
+copies go into storages the device keeps (as many per size as the budget holds) once nothing
+else holds them (layers/grad_buffers.py): an expert upload of tens of MiB would otherwise come
+from fresh kernel pages, faulted in at every copy. An
 optional `bandwidth_bytes_per_s` throttles copies like a PCIe link, for benchmarks.
 
 `CudaDevice` uses a side stream for copies, pinned host memory, non_blocking copies, events that
@@ -43,6 +46,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
+
+from moescale.layers.grad_buffers import GradBuffers
 
 
 class DeviceBudgetError(MemoryError):
@@ -196,6 +201,7 @@ class SimulatedDevice(_DeviceBase):
         self.tensor_device = torch.device("cpu")
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moescale-copy")
+        self._copies = GradBuffers()   # upload copies' storage, reused once dropped
         self.copy_thread_names: set[str] = set()
         self.bytes_uploaded = 0
         self.bytes_downloaded = 0
@@ -215,7 +221,15 @@ class SimulatedDevice(_DeviceBase):
               upload: bool) -> list:
         start = time.perf_counter()
         self.copy_thread_names.add(threading.current_thread().name)
-        out = [t.to(dtype=dtype if dtype is not None else t.dtype, copy=True) for t in tensors]
+        out = []
+        for t in tensors:
+            dt = dtype if dtype is not None else t.dtype
+            if upload:     # into a kept buffer nothing holds any more (no fresh pages)
+                nbytes = t.numel() * dt.itemsize
+                self._copies.keep = max(2, (self.budget_bytes or 0) // max(nbytes, 1) + 1)
+                out.append(self._copies.empty(f"{nbytes}", t.shape, dt).copy_(t))
+            else:
+                out.append(t.to(dtype=dt, copy=True))
         nbytes = sum(tensor_bytes(t) for t in out)
         if upload:
             self.bytes_uploaded += nbytes

@@ -19,6 +19,12 @@ BENCHMARKS = {
     "offload": ("moescale.bench.offload", "host-tier offloading vs all-resident step time"),
     "offload-disk": ("moescale.bench.offload_disk",
                      "disk tier beyond RAM: >= 8 GB expert state, peak RSS, bytes moved"),
+    "state-quality": ("moescale.bench.state_quality",
+                      "compact expert state formats vs fp32: validation loss of the default "
+                      "model, seeds"),
+    "compact-optimizer": ("moescale.bench.compact_optimizer",
+                          "one expert's host AdamW step per state format vs bitsandbytes and "
+                          "torchao 8-bit AdamW"),
     "plan-check": ("moescale.bench.plan_check", "planner step-time predictions vs measured"),
     "expert-shards": ("moescale.bench.expert_shards",
                       "sharded expert checkpoints on the disk tier: per-rank peak RSS vs share"),

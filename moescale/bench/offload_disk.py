@@ -243,7 +243,8 @@ def _child(args) -> dict:
     engine.close()
     probes.append(_probe(args, cold, state_rows, read_share))
     expert_params = _expert_params(args) * args.layers * args.experts
-    return dict(format=fmt.name, expert_state_bytes=16 * expert_params,
+    return dict(format=fmt.name, format_fields=dict(master=fmt.master, moments=fmt.moments),
+                expert_state_bytes=16 * expert_params,
                 expert_params=expert_params, record_bytes=geo.total,
                 files_bytes=args.layers * args.experts * geo.total,
                 master_row_bytes=master_row, state_row_bytes=state_rows, init_seconds=init_s, steps=steps, probes=probes,

@@ -49,9 +49,11 @@ import torch
 from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import hardware_tag, write_json
 from moescale.bench.offload import MoEStack, training_step
+from moescale.bench.offload_disk import parse_formats
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.planner import Budgets, ModelSpec, disk_traffic, estimate
 from moescale.offload.rates import RateProbes, device_io_bytes
+from moescale.offload.state_format import StateFormat
 
 GIB = 1 << 30
 CONFIGS = {  # name: (tier, layers, d_model, d_ff, experts, tokens)
@@ -73,10 +75,12 @@ def _config(text: str) -> tuple:
     return (tier, *map(int, dims))
 
 
-def _spec(layers, d_model, d_ff, experts, tokens) -> ModelSpec:
+def _spec(layers, d_model, d_ff, experts, tokens, fmt: StateFormat = StateFormat()
+          ) -> ModelSpec:
     return ModelSpec(moe_layers=layers, d_model=d_model, d_ff=d_ff, num_experts=experts,
                      top_k=2, tokens=tokens, dtype="float32",
-                     dense_params=layers * (d_model * experts + 2 * d_model))
+                     dense_params=layers * (d_model * experts + 2 * d_model),
+                     master=fmt.master, moments=fmt.moments)
 
 
 def _measure(tier, spec: ModelSpec, budgets: Budgets, args) -> dict:
@@ -95,7 +99,8 @@ def _measure(tier, spec: ModelSpec, budgets: Budgets, args) -> dict:
         extra = dict(directory=args.dir, host_cache_bytes=budgets.host_cache_bytes) \
             if tier == "disk" else {}
         engine = offload_moe(model, OffloadConfig(tier=tier, device="cpu", step_mode="eager",
-                                                  device_budget_experts=3, **extra))
+                                                  device_budget_experts=3, master=spec.master,
+                                                  moments=spec.moments, **extra))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine.follow(opt)
         x = torch.randn(spec.tokens, spec.d_model)
@@ -141,13 +146,20 @@ def _measure(tier, spec: ModelSpec, budgets: Budgets, args) -> dict:
     return out
 
 
-def _disk_result_row(path: str, args) -> dict:
-    """The planner against a `moescale bench offload-disk` result: that run's configuration and
-    disk bandwidths (the store's path, read and write measured separately in that run), this
-    machine's other rates measured now at its sizes."""
-    res = json.loads(Path(path).read_text())
-    cfg = res["config"]
-    spec = _spec(cfg["layers"], cfg["d_model"], cfg["d_ff"], cfg["experts"], cfg["tokens"])
+def _disk_result_rows(path: str, args) -> list[dict]:
+    """One row per format of a `moescale bench offload-disk` result (older files: one run)."""
+    doc = json.loads(Path(path).read_text())
+    runs = doc.get("runs") or [doc]
+    return [_disk_result_row(path, doc["config"], run, args) for run in runs]
+
+
+def _disk_result_row(path: str, cfg: dict, res: dict, args) -> dict:
+    """The planner against one format's run of a `moescale bench offload-disk` result: that
+    run's configuration and disk bandwidths (the store's path, read and write measured
+    separately in that run), this machine's other rates measured now at its sizes."""
+    fmt = StateFormat(**res["result"]["format_fields"]) if "format_fields" in res["result"] \
+        else StateFormat()
+    spec = _spec(cfg["layers"], cfg["d_model"], cfg["d_ff"], cfg["experts"], cfg["tokens"], fmt)
     spec.top_k = cfg.get("top_k", 2)
     with RateProbes(disk=False, **spec.probe_sizes()) as probes:
         for _ in range(args.warmup + args.runs):
@@ -159,7 +171,8 @@ def _disk_result_row(path: str, args) -> dict:
     est = estimate(spec, Budgets(device_bytes=1 << 50, host_bytes=1 << 50, disk_bytes=1 << 50,
                                  host_cache_bytes=cache), rates, "disk")
     read, written = disk_traffic(spec, cache)
-    return dict(config=f"past RAM: {Path(path).name}", tier="disk", predicted_s=est.step_s,
+    name = f"past RAM: {Path(path).name}" + ("" if fmt.exact else f" [{fmt.name}]")
+    return dict(config=name, tier="disk", predicted_s=est.step_s,
                 measured_s=res["step_median_s"], times_s=res.get("step_times_s"),
                 parts=est.parts, rates=dataclasses.asdict(rates),
                 expert_state_bytes=res["result"]["expert_state_bytes"],
@@ -178,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
                    "configuration (each also moves 2 GiB for the disk probe)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--formats", default="fp32+fp32", help="expert state formats to check each "
+                   "configuration in, MASTER+MOMENTS comma-separated (e.g. fp32+fp32,bf16+int8)")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary "
                    "directory under /var/tmp)")
     p.add_argument("--host-cache-gb", type=float, default=1.0)
@@ -204,18 +219,20 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="moescale-plan-", dir="/var/tmp") as tmp:
         args.dir = args.dir or tmp
-        for name in args.configs.split(","):
+        for name, fmt in [(n, f) for n in args.configs.split(",")
+                          for f in parse_formats(args.formats)]:
             tier, *shape = _config(name)
+            name = name + ("" if fmt.exact else f" [{fmt.name}]")
             print(f"{name}:", flush=True)
             row = dict(config=name, tier=tier)
-            row.update(_measure(tier, _spec(*shape), budgets, args))
+            row.update(_measure(tier, _spec(*shape, fmt), budgets, args))
             parts = ", ".join(f"{k} {v:.3g}" for k, v in row["parts"].items())
             print(f"  predicted {row['predicted_s']:.2f} s ({parts}), measured "
                   f"{row['measured_s']:.2f} s", flush=True)
             rows.append(row)
     if args.disk_result:
         print(f"{args.disk_result}: rates at its sizes", flush=True)
-        rows.append(_disk_result_row(args.disk_result, args))
+        rows.extend(_disk_result_rows(args.disk_result, args))
     targets = []
     print(f"\n{'configuration':<44} {'predicted':>10} {'measured':>10} {'error':>8} "
           f"{'vs previous run':>16}")

@@ -21,7 +21,8 @@ The price: between steps the layer holds its gradients' bytes even while .grad i
 torch's CUDA caching allocator keeps freed blocks); `release()` drops them. CPU tensors only
 (an accelerator's caching allocator already reuses its blocks), and only where torch exposes
 a storage's use count (elsewhere `take` allocates every time, as before). Copies and pickles
-of a pool are empty pools.
+of a pool are empty pools. The simulated device (devices.py) keeps its upload copies the same
+way (`empty`), as many per size as its budget holds.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 class GradBuffers:
     """Per-name kept gradient storages (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = KEEP) -> None:
+        self.keep = keep       # storages kept per name
         self._kept: dict[str, list[torch.UntypedStorage]] = {}
 
     def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -50,14 +52,23 @@ class GradBuffers:
         there is one."""
         if like.device.type != "cpu" or _STORAGE_USE_COUNT is None:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
-        nbytes = like.numel() * like.element_size()
+        return self.empty(name, like.shape, like.dtype)
+
+    def empty(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor, on a kept free storage when there is one."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * dtype.itemsize
+        if _STORAGE_USE_COUNT is None:
+            return torch.empty(shape, dtype=dtype)
         kept = [s for s in self._kept.get(name, ()) if s.nbytes() == nbytes]
         storage = next((s for s in kept if _use_count(s) == 1), None)
         if storage is None:
             storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-            kept = (kept + [storage])[-KEEP:]
+            kept = (kept + [storage])[-self.keep:]
         self._kept[name] = kept
-        return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)   # contiguous
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))   # contiguous
 
     def held_bytes(self) -> int:
         """Bytes the pool keeps (in use by a .grad or free)."""
@@ -68,7 +79,7 @@ class GradBuffers:
         self._kept.clear()
 
     def __deepcopy__(self, memo) -> "GradBuffers":
-        return GradBuffers()
+        return GradBuffers(self.keep)
 
     def __reduce__(self):
-        return (GradBuffers, ())
+        return (GradBuffers, (self.keep,))

@@ -26,6 +26,7 @@ import argparse
 from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, fmt_bytes,
                                       fmt_seconds, largest_experts, plan)
 from moescale.offload.rates import measure_rates
+from moescale.offload.state_format import MASTERS, MOMENTS
 
 GB = 1 << 30
 
@@ -46,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-gb", type=float, default=4096)
     p.add_argument("--host-cache-gb", type=float, default=None)
     p.add_argument("--step-mode", default="eager", choices=["eager", "deferred"])
+    p.add_argument("--master", default="fp32", choices=list(MASTERS), help="the store's expert "
+                   "master weights (bf16: stochastic rounding, half the bytes)")
+    p.add_argument("--moments", default="fp32", choices=list(MOMENTS), help="the store's Adam "
+                   "moments (int8: block-wise dynamic quantisation)")
     p.add_argument("--rates", default="a100", choices=["a100", "measure"])
     p.add_argument("--disk-dir", default=None, help="where --rates measure probes the disk")
     p.add_argument("--max-experts", action="store_true")
@@ -81,7 +86,8 @@ def main(argv=None) -> int:
                      num_experts=args.experts, top_k=args.top_k, tokens=args.tokens,
                      micro_batches=args.micro_batches, glu=args.glu, dtype=args.dtype,
                      dense_params=args.dense_params, vocab_size=args.vocab_size,
-                     tie_embeddings=not args.untied_embeddings)
+                     tie_embeddings=not args.untied_embeddings, master=args.master,
+                     moments=args.moments)
     budgets = Budgets(device_bytes=int(args.device_gb * GB), host_bytes=int(args.host_gb * GB),
                       disk_bytes=int(args.disk_gb * GB),
                       host_cache_bytes=None if args.host_cache_gb is None
@@ -90,7 +96,8 @@ def main(argv=None) -> int:
         else A100_NODE
     ests, pick = plan(spec, budgets, rates, step_mode=args.step_mode)
     print(f"model: {spec.moe_layers} MoE layers, d_model {spec.d_model}, d_ff {spec.d_ff}, "
-          f"{spec.num_experts} experts, top-{spec.top_k}, {spec.tokens} tokens, {spec.dtype}; "
+          f"{spec.num_experts} experts, top-{spec.top_k}, {spec.tokens} tokens, {spec.dtype}, "
+          f"expert state {spec.state.name}; "
           f"dense {spec.dense_params:,} + vocabulary {spec.vocab_params:,} parameters")
     print(f"budgets: device {fmt_bytes(budgets.device_bytes)}, host "
           f"{fmt_bytes(budgets.host_bytes)}, disk {fmt_bytes(budgets.disk_bytes)}; rates: "

@@ -28,8 +28,9 @@ max(that step, disk) (deferred with overlap: max(compute, transfers, reads) + ma
 writes)). Dense compute is added to compute. `experts_used` is min(E, tokens * top_k) (an
 expert with no tokens is never uploaded). The device mode pays compute + device AdamW.
 
-Disk traffic per step (`disk_traffic`, the store of disk_tier.py; rows are fp32 [P] padded to
-align_up(4 P) bytes for direct I/O; every expert steps every iteration): the forward reads the
+Disk traffic per step (`disk_traffic`, the store of disk_tier.py; rows in the model's state
+format (fp32 [P], or a bf16 master, bf16 or int8 moments: state_format.py) padded to 4 KiB for
+direct I/O; every expert steps every iteration): the forward reads the
 master row of every used expert; the last backward reads master + two moments of every expert
 and writes them back (the gradient row is zero between steps and never moves); each extra
 micro-batch of accumulation adds a forward and a backward master read and the gradient row
@@ -53,8 +54,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from moescale.offload.direct_io import align_up
 from moescale.offload.rates import A100_NODE, Rates
+from moescale.offload.records import POS_GRAD, POS_MASTER
+from moescale.offload.state_format import RecordGeometry, StateFormat
 
 MODES = ("device", "pin", "host", "disk")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,8 +78,11 @@ class ModelSpec:
     dense_params: int | None = None   # None: 4 d_model^2 (attention) per layer + routers
     vocab_size: int = 0           # token embedding + LM head (0: not counted)
     tie_embeddings: bool = True   # the head shares the embedding's weights
+    master: str = "fp32"          # the store's expert master weights (state_format.py)
+    moments: str = "fp32"         # the store's Adam moments
 
     def __post_init__(self) -> None:
+        StateFormat(master=self.master, moments=self.moments)     # ValueError if unknown
         for name in ("moe_layers", "d_model", "d_ff", "num_experts", "top_k", "tokens",
                      "micro_batches"):
             value = getattr(self, name)
@@ -106,13 +111,21 @@ class ModelSpec:
     def itemsize(self) -> int:
         return ITEMSIZE[self.dtype]
 
+    @property
+    def state(self) -> StateFormat:
+        return StateFormat(master=self.master, moments=self.moments)
+
+    def geometry(self) -> RecordGeometry:
+        """An expert's disk-tier record: rows padded for direct I/O."""
+        return RecordGeometry(self.state, self.expert_params)
+
     def probe_sizes(self) -> dict:
         """The sizes at which `rates.measure_rates` should time this model: an MoE layer with
         the rows an expert gets on average, one expert's AdamW and compute-precision copy."""
         return dict(gemm_rows=max(1, self.tokens * self.top_k // self.num_experts),
                     d_model=self.d_model, d_ff=self.d_ff, glu=self.glu, top_k=self.top_k,
                     expert_params=self.expert_params,
-                    copy_bytes=self.expert_params * self.itemsize)
+                    copy_bytes=self.expert_params * self.itemsize, state=self.state)
 
 
 @dataclass(kw_only=True)
@@ -190,16 +203,19 @@ def cache_saved_rows(slots: int, records: int) -> float:
 
 def disk_traffic(m: ModelSpec, cache_bytes: int) -> tuple[int, int]:
     """(bytes read, bytes written) per optimizer step by the disk tier, steady state."""
-    row = align_up(4 * m.expert_params)
+    geo = m.geometry()
+    master, state, grad = geo.strides[POS_MASTER], geo.offsets[POS_GRAD], geo.strides[POS_GRAD]
     records = m.moe_layers * m.num_experts
     used = m.moe_layers * min(m.num_experts, m.tokens * m.top_k)
     extra = m.micro_batches - 1
     # forward masters of every micro-batch; master + moments for the step; per extra
     # micro-batch a backward master read and the gradient row written, then read back
-    read_rows = m.micro_batches * used + 3 * records + 2 * extra * used
-    write_rows = 3 * records + extra * used
-    saved = cache_saved_rows(cache_bytes // (4 * row), records)
-    return int(max(read_rows - saved, 0) * row), int(write_rows * row)
+    read = m.micro_batches * used * master + records * state + extra * used * (master + grad)
+    write = records * state + extra * used * grad
+    # the cache's saving was fitted in rows of fp32 records; a compact row is a third of the
+    # state rows (the rows the forward's cached masters and backward's reads share)
+    saved = cache_saved_rows(cache_bytes // geo.total, records) * state / 3
+    return int(max(read - saved, 0)), int(write)
 
 
 def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = "eager",
@@ -222,7 +238,7 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
                                 "expert compute": mb * flops / expert_rate})
     used = min(E, m.tokens * m.top_k)
     slots = (2 + lookahead) * copy_bytes + copy_bytes   # rotating slots + one gradient
-    host_state = L * E * 16 * P
+    host_state = L * E * sum(m.state.row_bytes(pos, P) for pos in range(4))
     parts = dict(compute_s=compute)
     if mode == "device":
         device, host, disk = dense + L * E * state_bytes, 0, 0
@@ -248,9 +264,8 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
             if mode != "disk":
                 step = path.serial(step, {"host AdamW": adam})
         if mode == "disk":
-            row = align_up(4 * P)
             cache = b.host_cache_bytes if b.host_cache_bytes is not None else b.host_bytes // 2
-            disk = L * E * 4 * row                 # files hold all four rows
+            disk = L * E * m.geometry().total      # files hold all four rows
             host = min(cache, disk)
             read, write = disk_traffic(m, cache)
             read_s, write_s = read / r.disk_read_bytes_per_s, write / r.disk_write_bytes_per_s

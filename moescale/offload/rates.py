@@ -45,6 +45,8 @@ from typing import Callable
 
 import torch
 
+from moescale.offload.state_format import StateFormat
+
 GIB = 1 << 30
 COLD_BYTES = 256 << 20   # > 4x the last-level cache of common CPUs
 STREAM_EXPERTS = 4       # experts of the probe layers (the per-expert shape is the model's)
@@ -147,7 +149,13 @@ def _stream_probe(rows: int, d_model: int, d_ff: int, glu: bool, top_k: int,
     return probe, engine.close
 
 
-def _adam_probe(numel: int, cold_bytes: int = COLD_BYTES) -> _Probe:
+def _adam_probe(numel: int, cold_bytes: int = COLD_BYTES,
+                state: StateFormat = StateFormat()) -> _Probe:
+    """The host optimizer's step of one expert: torch's fused AdamW on fp32 state, or, for a
+    compact format, the store's own path (HostOptimizer on a host-tier store: decode, AdamW,
+    encode) over records that cycle through cold_bytes."""
+    if not state.exact:
+        return _compact_adam_probe(numel, cold_bytes, state)
     from torch.optim.adamw import adamw
     opts = dict(foreach=False, fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
                 weight_decay=0.01, eps=1e-8, maximize=False)
@@ -158,6 +166,26 @@ def _adam_probe(numel: int, cold_bytes: int = COLD_BYTES) -> _Probe:
         for p, g, m1, m2, step in states:
             adamw([p], [g], [m1], [m2], [], [step], **opts)
     return _Probe(work, len(states) * numel)
+
+
+def _compact_adam_probe(numel: int, cold_bytes: int, state: StateFormat) -> _Probe:
+    from moescale.offload.optimizer import AdamWConfig, HostOptimizer
+    from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
+    store = ExpertStore(StoreConfig(tier="host", state=state))
+    layout = ExpertLayout([("w", (numel,))])
+    count = _replicas(layout.record_bytes(state), cold_bytes)
+    store.add_layer(layout, count, lambda e: torch.randn(numel))
+    optimizer = HostOptimizer(store, AdamWConfig())
+    for key in store.keys():
+        store.acquire(key).grad_P.normal_()
+        store.release(key)
+
+    def work():
+        optimizer._step(list(store.keys()), optimizer.hparams(), None)
+        for key in store.keys():   # the step zeroed it: a gradient again (one pass of the
+            store.acquire(key).grad_P.fill_(1e-3)   # step's ~20, timed with it)
+            store.release(key)
+    return _Probe(work, count * numel)
 
 
 def _copy_probe(nbytes: int, cold_bytes: int = COLD_BYTES) -> _Probe:
@@ -234,14 +262,16 @@ class RateProbes:
     def __init__(self, *, gemm_rows: int = 512, d_model: int = 1024, d_ff: int = 4096,
                  glu: bool = False, top_k: int = 2, expert_params: int = 1 << 22,
                  copy_bytes: int = 16 << 20, disk_dir: str | None = None, disk: bool = True,
-                 disk_file_bytes: int = GIB, rounds: int = 7) -> None:
+                 disk_file_bytes: int = GIB, rounds: int = 7,
+                 state: StateFormat = StateFormat()) -> None:
         self.sizes = dict(rows_per_expert=gemm_rows, d_model=d_model, d_ff=d_ff, glu=glu,
                           top_k=top_k, expert_params=expert_params, copy_bytes=copy_bytes)
         shape = (max(1, gemm_rows), d_model, d_ff, glu, top_k)
         stream, self._close_stream = _stream_probe(*shape)
         self.probes = dict(flops_per_s=_compute_probe(*shape),
                            stream_step_flops_per_s=stream,
-                           adam_params_per_s=_adam_probe(max(expert_params, 1 << 16)),
+                           adam_params_per_s=_adam_probe(max(expert_params, 1 << 16),
+                                                         state=state),
                            copy_bytes_per_s=_copy_probe(max(copy_bytes, 1 << 20)))
         self.disk = _DiskFiles(disk_dir, disk_file_bytes, rounds) if disk else None
         if self.disk is not None:

@@ -9,10 +9,10 @@ A run chooses per store (`OffloadConfig.master` / `.moments`):
   (Dettmers et al. 2021, arXiv 2110.02861): each block of BLOCK numbers is divided by its
   absolute maximum (kept as an fp32 scale) and mapped to the nearest of 256 codes of a dynamic
   tree map (signed for exp_avg, unsigned for exp_avg_sq: decades 1e-6..1 with more linear
-  fraction points in the upper decades). "Nearest" is taken of the bf16 rounding of the
-  normalised value, through a 65,536-entry table indexed by those 16 bits: one gather per
-  number instead of a search (the codes are bf16 numbers, so dequantise -> quantise is the
-  identity, bitwise). The gradient accumulator stays fp32 (and out of the files between steps).
+  fraction points in the upper decades). "Nearest" is taken of the centre of the fp32 numbers
+  that share the normalised value's top 20 bits (sign, exponent, 11 mantissa bits), through a
+  2^20-entry table indexed by those bits: a shift and one gather per number instead of a search
+  (the codes are bf16 numbers, so dequantise -> quantise is the identity, bitwise). The gradient accumulator stays fp32 (and out of the files between steps).
 
 A record is four rows in the order MASTER, EXP_AVG, EXP_AVG_SQ, GRAD (records.py), each padded
 to ROW_ALIGN bytes (direct I/O); `RecordGeometry` gives their offsets. fp32 state has exactly
@@ -42,6 +42,9 @@ MASTERS = ("fp32", "bf16")
 MOMENTS = ("fp32", "bf16", "int8")
 BLOCK = 256                     # numbers per int8 quantisation block (one fp32 scale each)
 NOISE_NUMBERS = 1 << 22         # the stochastic-rounding table (int32; read at offsets)
+TABLE_BITS = 20                 # int8 codes are looked up by an fp32 number's top 20 bits (a
+TABLE_MASK = (1 << TABLE_BITS) - 1   # 1 MiB table: buckets of 2^-11 relative, finer than the
+                                     # codes' spacing, so dequantise -> quantise is exact)
 _ITEMSIZE = {"fp32": 4, "bf16": 2}
 
 
@@ -137,30 +140,41 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return code
 
 
+def _bucket_centres() -> torch.Tensor:
+    """float64 [2^TABLE_BITS]: for each value of an fp32 number's top TABLE_BITS bits (as an
+    unsigned index), the centre of the fp32 numbers that share them (clamped to [-1, 1]; NaN
+    patterns give 0)."""
+    low = 32 - TABLE_BITS
+    top = torch.arange(1 << TABLE_BITS, dtype=torch.int64) << low
+    lo = (top - (1 << 32) * (top >= 1 << 31)).to(torch.int32).view(torch.float32).double()
+    top = top | ((1 << low) - 1)
+    hi = (top - (1 << 32) * (top >= 1 << 31)).to(torch.int32).view(torch.float32).double()
+    centre = ((lo + hi) / 2).clamp(-1.0, 1.0)
+    return torch.where(centre.isnan(), torch.zeros((), dtype=torch.float64), centre)
+
+
 @lru_cache(maxsize=2)
 def nearest_table(signed: bool) -> torch.Tensor:
-    """uint8 [65536]: for every bf16 bit pattern (as int16 + 32768) the index of the nearest
-    code (ties to the lower code; NaN to the code nearest 0; beyond +-1 to +-1)."""
-    code = dynamic_map(signed)
-    bits_16 = (torch.arange(65536, dtype=torch.int32) - 32768).to(torch.int16)
-    value = bits_16.view(torch.bfloat16).float().clamp(-1.0, 1.0)
-    value = torch.where(value.isnan(), torch.zeros(()), value)
+    """uint8 [2^TABLE_BITS]: for every value of an fp32 number's top TABLE_BITS bits, the index
+    of the code nearest the centre of the numbers sharing them (ties to the lower code)."""
+    code = dynamic_map(signed).double()
     mid = (code[1:] + code[:-1]) / 2
-    idx = torch.bucketize(value, mid, right=False)   # value <= mid -> the lower code
-    return idx.to(torch.uint8)
+    return torch.bucketize(_bucket_centres(), mid, right=False).to(torch.uint8)
 
 
 def quantize_reference(x_N: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 quantiser by its definition (slow, for tests): per block of BLOCK numbers the
-    absmax scale, then the nearest code (by distance, ties to the lower) of each number's
-    normalised value rounded to bf16."""
-    x_nB = x_N.view(-1, BLOCK).double()
+    absmax scale, then for each number's normalised value (fp32 division) the code nearest
+    (by distance, ties to the lower) the centre of the fp32 numbers sharing its top TABLE_BITS
+    bits."""
+    x_nB = x_N.view(-1, BLOCK)
     absmax_n = x_nB.abs().amax(1)
-    y_nB = (x_N.view(-1, BLOCK) / torch.where(absmax_n > 0, absmax_n, 1.0).float()[:, None])
-    y = y_nB.to(torch.bfloat16).double().reshape(-1, 1)
-    dist = (y - dynamic_map(signed).double()[None, :]).abs()
+    y = x_nB / torch.where(absmax_n > 0, absmax_n, torch.ones(()))[:, None]
+    top = (y.reshape(-1).view(torch.int32).long() >> (32 - TABLE_BITS)) & TABLE_MASK
+    centre = _bucket_centres()[top].reshape(-1, 1)
+    dist = (centre - dynamic_map(signed).double()[None, :]).abs()
     q = dist.argmin(1)           # the first (lower) of equally near codes
-    return q.to(torch.uint8), absmax_n.float()
+    return q.to(torch.uint8), absmax_n
 
 
 class StateCodec:
@@ -252,15 +266,17 @@ class StateCodec:
             x[numel:].zero_()
         codes, scale_n = row[:nb * BLOCK], row[nb * BLOCK:].view(torch.float32)
         x_nB = x.view(nb, BLOCK)
-        mag = x_nB if not signed else torch.abs(x_nB, out=self.buffer("abs", nb * BLOCK)
-                                                .view(nb, BLOCK))
-        torch.amax(mag, 1, out=scale_n)
+        torch.amax(x_nB, 1, out=scale_n)
+        if signed:          # |x|'s max from max and min: two reductions, no |x| pass
+            low_n = torch.amin(x_nB, 1, out=self.buffer("low", nb).view(nb))
+            torch.maximum(scale_n, low_n.neg_(), out=scale_n)
+            scale_n.add_(0.0)   # -0.0 (a block of zeros) -> +0.0, as |x|'s max would be
         denom = torch.where(scale_n > 0, scale_n, torch.ones((), dtype=torch.float32))
         y = self.buffer("y", nb * BLOCK)
         torch.div(x_nB, denom[:, None], out=y.view(nb, BLOCK))
-        y_bf = self.buffer("y.bf16", nb * BLOCK, torch.bfloat16).copy_(y)
-        idx = self.buffer("idx", nb * BLOCK, torch.int32).copy_(y_bf.view(torch.int16))
-        idx.add_(32768)
+        idx = self.buffer("idx", nb * BLOCK, torch.int32)
+        torch.bitwise_right_shift(y.view(torch.int32), 32 - TABLE_BITS, out=idx)
+        idx.bitwise_and_(TABLE_MASK)    # the top bits as an unsigned table index
         torch.index_select(nearest_table(signed), 0, idx, out=codes)
 
 

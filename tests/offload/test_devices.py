@@ -80,3 +80,26 @@ def test_bad_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             make_device("cuda", 10)
+
+
+@pytest.mark.skipif(getattr(torch._C, "_storage_Use_Count", None) is None,
+                    reason="this torch exposes no storage use count: copies are always fresh")
+def test_upload_copies_reuse_storage_nothing_holds():
+    """An upload copies into a storage the device kept once its last copy was dropped (no fresh
+    pages per copy), never into one a caller still holds."""
+    dev = SimulatedDevice(1 << 20)
+    try:
+        src = torch.arange(1000, dtype=torch.float32)
+        held = dev.upload([src]).wait()[0]
+        again = dev.upload([src * 2]).wait()[0]
+        assert held.data_ptr() != again.data_ptr()          # held: not written over
+        assert torch.equal(held, src) and torch.equal(again, src * 2)
+        ptr = again.data_ptr()
+        del again
+        third = dev.upload([src * 3], torch.float32).wait()[0]
+        assert third.data_ptr() == ptr and torch.equal(third, src * 3)
+        assert torch.equal(held, src)
+        half = dev.upload([src], torch.bfloat16).wait()[0]   # another size: its own storage
+        assert half.dtype == torch.bfloat16 and torch.equal(half, src.to(torch.bfloat16))
+    finally:
+        dev.close()
