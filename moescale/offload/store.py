@@ -46,7 +46,7 @@ import torch
 
 from moescale.offload import records
 from moescale.offload.disk_tier import DiskTier
-from moescale.offload.records import ALL, POS_MASTER, STATE
+from moescale.offload.records import ALL, POS_GRAD, POS_MASTER, STATE
 from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat
 
 MASTER, GRAD, EXP_AVG, EXP_AVG_SQ = 0, 1, 2, 3
@@ -116,7 +116,8 @@ class ExpertRecord:
     """One expert's state: rows MASTER, GRAD, EXP_AVG, EXP_AVG_SQ; step_t; on the host tier
     also `data_4P`, the [4, P] view of the rows (fp32 records only). With fp32 state every row
     is an fp32 [P] view; otherwise each is what the store's StateFormat keeps (a bf16 [P]
-    master or moment, an int8 moment's raw uint8 row; the gradient is always fp32)."""
+    master or moment, an int8 moment's raw uint8 row; the gradient is always fp32, and on a
+    compact host store None unless the access asked for it)."""
 
     def __init__(self, key: Key, rows: Sequence[torch.Tensor], step_t: torch.Tensor,
                  data_4P: torch.Tensor | None = None) -> None:
@@ -191,6 +192,7 @@ class ExpertStore:
         self._lock = threading.Lock()
         self.disk: DiskTier | None = None
         self._waits = threading.local()   # per thread: seconds blocked in disk-tier acquires
+        self._grads: dict[Key, torch.Tensor] = {}   # compact host records' gradients
         self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
 
     # ----------------------------------------------------------------- construction
@@ -218,9 +220,9 @@ class ExpertStore:
             self._add_disk_layer(layout, num_experts, master)
             self._register(layout, None, steps_E)
             return layer
-        if not self.format.exact:     # byte records in the format's geometry
+        if not self.format.exact:     # byte records of master and moments (no gradient row)
             geo = RecordGeometry(self.format, layout.numel, align=64)
-            data_EB = torch.zeros(num_experts, geo.total, dtype=torch.uint8)
+            data_EB = torch.zeros(num_experts, geo.offsets[POS_GRAD], dtype=torch.uint8)
             if self.config.pin_memory:
                 data_EB = data_EB.pin_memory()
             for e in range(num_experts):
@@ -331,9 +333,16 @@ class ExpertStore:
                 yield (layer, e)
 
     def state_bytes(self) -> int:
-        """Bytes of every expert's master, gradient and moments in the store's format."""
+        """Bytes of every expert's master, gradient and moments in the store's format (a
+        compact host store holds a gradient only from an expert's backward to its step)."""
         return sum(lay.record_bytes(self.format) * n
                    for lay, n in zip(self.layouts, self.num_experts))
+
+    def host_bytes(self) -> int:
+        """Bytes the host tier holds now: its records and the gradients alive (0 on disk)."""
+        with self._lock:
+            grads = sum(4 * g.numel() for g in self._grads.values())
+        return sum(t.numel() * t.element_size() for t in self._host) + grads
 
     def geometry(self, layer: int) -> RecordGeometry:
         """Where a record's rows lie (host-tier byte records: 64-byte rows; disk: 4 KiB)."""
@@ -348,8 +357,9 @@ class ExpertStore:
             layer, e = key
             if not self.format.exact:
                 geo, data_B = self.geometry(layer), self._host[layer][e]
-                return ExpertRecord(key, [geo.typed(data_B, pos) for pos in LOGICAL_POS],
-                                    self._steps[key])
+                views = [geo.typed(data_B, pos) for pos in LOGICAL_POS if pos != POS_GRAD]
+                views.insert(GRAD, self._grad_row(key, create=bool(rows & records.G)))
+                return ExpertRecord(key, views, self._steps[key])
             data_4P = self._host[layer][e]
             return ExpertRecord(key, data_4P.unbind(0), self._steps[key], data_4P)
         self._ensure_disk_cache()
@@ -358,6 +368,16 @@ class ExpertStore:
         self._waits.seconds = self.thread_read_wait_s() + time.perf_counter() - start
         views = [self.disk.row_view(entry, pos) for pos in LOGICAL_POS]
         return ExpertRecord(key, views, self._steps[key])
+
+    def _grad_row(self, key: Key, create: bool) -> torch.Tensor | None:
+        """A compact host record's gradient accumulator: fp32 [P], made (zero) when an access
+        asks for it and dropped when a step zeroes it, so between steps the host holds only the
+        format's master and moments (None: not made and not asked for)."""
+        with self._lock:
+            grad_P = self._grads.get(key)
+            if grad_P is None and create:
+                grad_P = self._grads[key] = torch.zeros(self.layouts[key[0]].numel)
+            return grad_P
 
     def thread_read_wait_s(self) -> float:
         """Seconds the calling thread has spent in disk-tier acquires (waiting for a cache slot
@@ -379,13 +399,13 @@ class ExpertStore:
     def read_record(self, key: Key) -> tuple[torch.Tensor, float]:
         """A copy of one expert's record [4, P] (master, grad, moments) as fp32, and its step
         count (compact formats decoded)."""
-        rec = self.acquire(key)
+        rec = self.acquire(key, ALL if self.format.exact else STATE)
         try:
             if self.format.exact:
                 return torch.stack(rec.rows), float(rec.step_t)
             master_P, exp_avg_P, exp_avg_sq_P = self._decode(rec)
-            return torch.stack([master_P, rec.grad_P.clone(), exp_avg_P, exp_avg_sq_P]), \
-                float(rec.step_t)
+            grad_P = rec.grad_P if rec.grad_P is not None else torch.zeros_like(master_P)
+            return torch.stack([master_P, grad_P, exp_avg_P, exp_avg_sq_P]), float(rec.step_t)
         finally:
             self.release(key)
 
@@ -424,9 +444,7 @@ class ExpertStore:
                 value = torch.zeros(numel) if value is None else \
                     value.reshape(-1).to(torch.float32, copy=True)
                 codec.encode_moment(value, row, signed)
-            if self.config.tier == "host":
-                rec.grad_P.zero_()
-        finally:
+        finally:     # the gradient accumulator: zero (the host tier drops it)
             self.release(key, dirty=True, rows=STATE, grad_zero=True)
 
     def release(self, key: Key, dirty: bool = False, rows: int = ALL,
@@ -434,6 +452,9 @@ class ExpertStore:
         """Unpin key's record; dirty: `rows` were modified; grad_zero: the gradient
         accumulator is zero now (an optimizer step), so it need not be persisted."""
         if self.config.tier == "host":
+            if grad_zero and not self.format.exact:
+                with self._lock:
+                    self._grads.pop(key, None)
             return
         self.disk.release(key, rows if dirty else 0, grad_zero)
 

@@ -134,3 +134,23 @@ def test_checkpoints_load_across_formats(tmp_path):
     back = engine.store.get_state((0, 3))
     assert all(torch.equal(a, b) for a, b in zip(back, (master, m, v)))
     engine.close()
+
+
+def test_host_tier_holds_the_formats_bytes_between_steps(tmp_path):
+    """Experts per GiB of host memory: a compact host store holds master and moments in its
+    format and a gradient only from an expert's backward to its (eager) step."""
+    held = {}
+    for master, moments in (("fp32", "fp32"), ("bf16", "int8"), ("fp32", "int8")):
+        model, opt, engine = build(tmp_path, "host", master, moments)
+        train(model, opt, engine, 2)
+        engine.synchronize()
+        held[master, moments] = engine.store.host_bytes()
+        params = sum(engine.store.layouts[lay].numel * n
+                     for lay, n in enumerate(engine.store.num_experts))
+        assert not engine.store._grads           # every expert stepped: no gradient kept
+        engine.close()
+        assert held[master, moments] <= params * (16 if master == "fp32" == moments else
+                                                  engine.config.state.state_bytes_per_param()
+                                                  + 0.01)
+    assert held["fp32", "fp32"] / held["bf16", "int8"] >= 3.9
+    assert held["fp32", "fp32"] / held["fp32", "int8"] >= 2.6
