@@ -55,9 +55,10 @@ class MoEStack(nn.Module):
         return x.square().mean() + collect_aux_loss(self)
 
 
-def training_step(model, x, opt, engine=None, autocast_bf16: bool = False) -> None:
+def training_step(model, x, opt, engine=None, autocast_bf16: bool = False) -> float:
     """One timed iteration: forward + backward, expert steps, dense step, zero_grad; with an
-    engine, waits for the expert steps (no credit for overlapping them with the next forward)."""
+    engine, waits for the expert steps (no credit for overlapping them with the next forward).
+    Returns the loss."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
         loss = model(x)
     loss.backward()
@@ -67,6 +68,7 @@ def training_step(model, x, opt, engine=None, autocast_bf16: bool = False) -> No
     opt.zero_grad(set_to_none=True)
     if engine is not None:
         engine.synchronize()
+    return float(loss)
 
 
 def _parser() -> argparse.ArgumentParser:

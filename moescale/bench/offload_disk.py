@@ -205,7 +205,7 @@ def _child(args) -> dict:
         dev_io.take(), busy.take()
         cpu0 = os.times()
         start = time.perf_counter()
-        training_step(model, x, opt, engine)
+        loss = training_step(model, x, opt, engine)
         store.flush()  # count the write-back of this step's records in this step
         elapsed = time.perf_counter() - start
         cpu1 = os.times()
@@ -213,7 +213,7 @@ def _child(args) -> dict:
         routed = [int((moe.last_stats.routed_E > 0).sum()) for moe in model.moes]
         experts = sum(store.num_experts)
         steps.append(dict(
-            seconds=elapsed, warmup=i == 0, bytes_read=store.bytes_read - read0,
+            seconds=elapsed, warmup=i == 0, loss=loss, bytes_read=store.bytes_read - read0,
             bytes_written=store.bytes_written - written0, device_read_bytes=dev_read,
             device_write_bytes=dev_written, disk_busy_s=busy.take(),
             page_cache_growth_bytes=disk_probe.page_cache_bytes() - cached0,
@@ -227,7 +227,7 @@ def _child(args) -> dict:
             cold = [store.path(k) for k in store.keys()]
             random.Random(0).shuffle(cold)
             probes.append(_probe(args, cold, state_rows, read_share))
-        print(f"  step {i}{' (warm-up)' if i == 0 else ''}: {elapsed:.1f} s, read "
+        print(f"  step {i}{' (warm-up)' if i == 0 else ''}: {elapsed:.1f} s, loss {loss:.4g}, read "
               f"{s['bytes_read'] / GIB:.2f} GiB (device {dev_read / GIB:.2f}), written "
               f"{s['bytes_written'] / GIB:.2f} GiB (device {dev_written / GIB:.2f}), disk busy "
               f"{s['disk_busy_s'] or 0:.1f} s, upload wait {s['upload_wait_s']:.1f} s, CPU user "
@@ -273,7 +273,7 @@ def _check(args) -> list[StateFormat]:
 def _run_format(args, argv: list[str], fmt: StateFormat) -> tuple[dict, dict]:
     """One child process training the experts in `fmt`; its result and summary."""
     geo = RecordGeometry(fmt, _expert_params(args))
-    state = args.layers * args.experts * geo.total
+    state = args.layers * args.experts * geo.offsets[POS_GRAD]   # blocks (gradient rows sparse)
     root = args.dir or tempfile.mkdtemp(prefix="moescale-disk-", dir="/var/tmp")
     os.makedirs(root, exist_ok=True)
     where = tempfile.mkdtemp(prefix=f"offload-disk-{fmt.master}-{fmt.moments}-", dir=root)

@@ -47,12 +47,12 @@ from moescale.offload.auto import resolve_auto
 from moescale.offload.cache import DeviceCache
 from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.checkpoint import load_store, save_store
-from moescale.offload.direct_io import align_up
 from moescale.offload.experts import OffloadedGroupedExperts
 from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
 from moescale.offload.config import DTYPES, OffloadConfig
 from moescale.offload.optimizer import AdamWConfig, HostOptimizer
-from moescale.offload.records import ALL, G, M
+from moescale.offload.records import ALL, POS_GRAD, G, M
+from moescale.offload.state_format import RecordGeometry, StateFormat
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
 
 class OffloadEngine:
@@ -358,7 +358,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
         planned = (estimates, pick)
     engine = OffloadEngine(config)
     engine.plan = planned  # (the planner's estimates, its pick) when tier was 'auto'
-    engine.store.reserve_disk(sum(_disk_bytes(m, s) for m, s in zip(moes, shards)))
+    engine.store.reserve_disk(sum(_disk_bytes(m, s, config.state) for m, s in zip(moes, shards)))
     for moe, shard in zip(moes, shards):
         experts = moe.experts if shard is None else shard.local
         init = expert_init
@@ -381,12 +381,13 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
     return engine
 
 
-def _disk_bytes(moe: MoE, shard) -> int:
-    """Bytes of the disk tier's record files for this layer's (local) experts."""
+def _disk_bytes(moe: MoE, shard, state: StateFormat) -> int:
+    """Bytes of the disk tier's record files for this layer's (local) experts: the rows that
+    persist (a file's gradient row is a sparse tail until accumulation spills it)."""
     experts = moe.experts if shard is None else shard.local
     num = experts.num_experts if shard is None else len(shard.expert_ids)
     numel = sum(p.numel() for p in experts.parameters()) // max(1, num)
-    return 4 * align_up(4 * numel) * num
+    return RecordGeometry(state, numel).offsets[POS_GRAD] * num
 
 
 def _expert_shard(moe: MoE) -> ExpertShard | None:

@@ -249,15 +249,18 @@ class ExpertStore:
             self.disk = DiskTier(self.config.directory, cache or 0, self.config.io_threads,
                                  self.config.pin_memory, direct_io=self.config.direct_io,
                                  state=self.format)
-        record = RecordGeometry(self.format, layout.numel).total
+        geo = RecordGeometry(self.format, layout.numel)
+        record = geo.total
         cache = self.disk.host_cache_bytes
         if cache and 2 * record > cache:
             raise ValueError(
                 f"host_cache_bytes={cache} holds fewer than two expert records of {record} "
                 f"bytes each; raise it to at least {2 * record}")
-        written = sum(self.disk.record_bytes(lay) * n
+        # the files' blocks: the rows that persist (the gradient row is a sparse tail, written
+        # only when accumulation across micro-batches spills it)
+        written = sum(self.disk.geometries[lay].offsets[POS_GRAD] * n
                       for lay, n in enumerate(self.num_experts))
-        need = written + record * num_experts
+        need = written + geo.offsets[POS_GRAD] * num_experts
         check_directory(self.config.directory, max(0, max(need, self._disk_need) - written))
         self._disk_need = max(self._disk_need, need)
         layer = len(self.layouts)

@@ -32,6 +32,7 @@ from moescale.expert_step import ResidentStep
 from moescale.layers.moe import MoE
 from moescale.offload import offload_moe
 from moescale.offload.planner import fmt_bytes
+from moescale.offload.records import POS_GRAD
 from moescale.offload.state_format import RecordGeometry
 from moescale.offload.stepping import OffloadStep, dir_bytes
 from moescale.offload.store import default_host_cache
@@ -150,7 +151,7 @@ class Offloaded:
         for m in _moes(model):
             local = _local_experts(m)
             numel = sum(p.numel() for p in m.experts.parameters()) // local
-            state += RecordGeometry(self.config.offload.state, numel).total * local
+            state += RecordGeometry(self.config.offload.state, numel).offsets[POS_GRAD] * local
         periodic = 0 < tc.checkpoint_interval < tc.steps
         copies = tc.keep_last if periodic else 0
         ckpt_dir = self.run_dir / "checkpoints"
