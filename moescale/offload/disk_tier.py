@@ -104,7 +104,8 @@ class DiskTier:
 
     # ----------------------------------------------------------------- set-up
     def add_layer(self, numel: int, num_experts: int, init) -> None:
-        """Write the layer's files: init(e) as the master, zero moments (a sparse tail). Files
+        """Write the layer's files: init(e) as the master (None: zero, not written), zero
+        moments (a sparse tail). Files
         a previous run left there are unlinked first, never written over (a checkpoint may hold
         links to them)."""
         layer = len(self.numels)
@@ -121,8 +122,13 @@ class DiskTier:
         try:
             for e in range(num_experts):
                 key = (layer, e)
-                row_P.copy_(init(e))
-                sums = self.io.write(self.path(key), 0, row_u8, create=True).result()
+                master_P = init(e)
+                if master_P is None:     # a zero master left unwritten (a sparse file):
+                    sums = zeros         # the caller adopts or writes the real one next
+                    open(self.path(key), "xb").close()
+                else:
+                    row_P.copy_(master_P)
+                    sums = self.io.write(self.path(key), 0, row_u8, create=True).result()
                 os.truncate(self.path(key), 4 * stride)
                 self.sums[key] = {POS_MASTER: sums, POS_EXP_AVG: zeros, POS_EXP_AVG_SQ: zeros}
                 self.gen[key] = 0

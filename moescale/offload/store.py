@@ -191,11 +191,16 @@ class ExpertStore:
 
     def add_layer(self, layout: ExpertLayout, num_experts: int,
                   init: Callable[[int], torch.Tensor]) -> int:
-        """Add a layer of experts whose masters are init(e) (flat [P]); returns its index."""
+        """Add a layer of experts whose masters are init(e) (flat [P]; None: zero, and on the
+        disk tier not written, for a caller that loads the real masters next); returns its
+        index."""
         layer = len(self.layouts)
 
-        def master(e: int) -> torch.Tensor:
-            master_P = init(e).detach().reshape(-1).to(torch.float32)
+        def master(e: int) -> torch.Tensor | None:
+            master_P = init(e)
+            if master_P is None:         # disk tier: a zero master, not written (sparse)
+                return None
+            master_P = master_P.detach().reshape(-1).to(torch.float32)
             if master_P.numel() != layout.numel:
                 raise ValueError(f"init({e}) has {master_P.numel()} numbers; the layout wants "
                                  f"{layout.numel}")
@@ -216,7 +221,9 @@ class ExpertStore:
         elif self.config.pin_memory:
             data_E4P = data_E4P.pin_memory()
         for e in range(num_experts):
-            data_E4P[e, MASTER].copy_(master(e))
+            master_P = master(e)
+            if master_P is not None:     # None: stays zero
+                data_E4P[e, MASTER].copy_(master_P)
         self._register(layout, data_E4P, steps_E)
         return layer
 
