@@ -366,8 +366,9 @@ class GPT(nn.Module):
         forward, then each token is one forward of one position; a full cache keeps its newest
         seq_len // 2 tokens and prefills them again (the context shift). `kv_cache=False`, or a
         layer with a capacity factor, recomputes the newest seq_len tokens for every token.
-        `on_token(phase)`, if given, is called after each forward with "prefill" or "decode"
-        (generation statistics hook there)."""
+        `on_token(phase, positions, tokens)`, if given, is called after each forward: "prefill"
+        or "decode", the positions it fed and the tokens it generated, summed over the batch
+        (moescale.train.gen_stats.GenerationMeter hooks there)."""
         if max_new_tokens < 0 or temperature < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} and temperature={temperature} "
                              "must be >= 0")
@@ -379,20 +380,22 @@ class GPT(nn.Module):
         try:
             for i in range(max_new_tokens):
                 if not cached:
-                    logits_BSV, _ = self(idx_BS[:, -window:])
+                    fed_BS = idx_BS[:, -window:]
+                    logits_BSV, _ = self(fed_BS)
                     phase = "prefill" if i == 0 else "decode"
                 elif i == 0 or cache.room() == 0:
                     cache.reset()
-                    logits_BSV = self.forward_cached(idx_BS[:, -(window if i == 0 else keep):],
-                                                     cache, last_only=True)
+                    fed_BS = idx_BS[:, -(window if i == 0 else keep):]
+                    logits_BSV = self.forward_cached(fed_BS, cache, last_only=True)
                     phase = "prefill"
                 else:
-                    logits_BSV = self.forward_cached(idx_BS[:, -1:], cache)
+                    fed_BS = idx_BS[:, -1:]
+                    logits_BSV = self.forward_cached(fed_BS, cache)
                     phase = "decode"
                 next_B1 = _pick(logits_BSV[:, -1, :].float(), temperature, top_k, generator)
                 idx_BS = torch.cat([idx_BS, next_B1], dim=1)
                 if on_token is not None:
-                    on_token(phase)
+                    on_token(phase, fed_BS.numel(), fed_BS.shape[0])
         finally:
             self.train(was_training)
         return idx_BS
