@@ -249,7 +249,7 @@ class ExpertStore:
         except BaseException:   # leave nothing behind: a half-written layer is useless
             shutil.rmtree(self.disk._layer_dir(layer), ignore_errors=True)
             raise
-        if layer == 0 and not self.disk.io.direct and self.config.direct_io:
+        if layer == 0 and self.disk.io.direct is False and self.config.direct_io:
             warnings.warn(f"the filesystem of {self.config.directory!r} refuses O_DIRECT "
                           "(tmpfs?): the disk tier uses buffered I/O with "
                           "posix_fadvise(DONTNEED) there", RuntimeWarning, stacklevel=4)

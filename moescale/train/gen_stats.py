@@ -19,52 +19,19 @@ sums, between consecutive calls:
 - peak RSS: VmHWM of /proc/self/status, reset (/proc/self/clear_refs "5") after every forward,
   so each phase has its own peak.
 
-Without /proc (not Linux) the device bytes read 0 and the peak is the process's maxrss.
+The probes are moescale.bench.disk_probe's (ProcessIO, reset_peak_rss, peak_rss_bytes; Linux).
 
 Legend: B batch.
 """
 
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import asdict, dataclass
 
+from moescale.bench.disk_probe import ProcessIO, peak_rss_bytes, reset_peak_rss
 from moescale.layers.moe import MoE
 from moescale.offload.planner import fmt_bytes
-
-
-def proc_read_bytes() -> int:
-    """Bytes this process has read from block devices (/proc/self/io read_bytes; 0 without)."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def reset_peak_rss() -> None:
-    """Start a new peak-RSS interval (Linux: clear_refs 5 resets VmHWM)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss() -> int:
-    """Peak resident bytes since the last reset_peak_rss (else the process's maxrss)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass
@@ -104,26 +71,26 @@ class GenerationMeter:
     def start(self) -> None:
         """Begin measuring now (call right before generate)."""
         self._t = time.perf_counter()
-        self._read = proc_read_bytes()
+        self._io = ProcessIO()
         self._store_read = self.store.bytes_read if self.store is not None else 0
         reset_peak_rss()
 
     def on_token(self, phase: str, positions: int = 0, tokens: int = 1) -> None:
-        now, read = time.perf_counter(), proc_read_bytes()
+        now, (read, _) = time.perf_counter(), self._io.take()
         store_read = self.store.bytes_read if self.store is not None else 0
         p = self.phases[phase]
         p.forwards += 1
         p.positions += positions
         p.tokens += tokens
         p.seconds += now - self._t
-        p.read_bytes += read - self._read
+        p.read_bytes += read
         p.expert_uses += sum(int((m.last_stats.routed_E > 0).sum()) for m in self.moes
                              if m.last_stats is not None)
         if self.master_bytes:
             p.expert_reads += round((store_read - self._store_read) / self.master_bytes)
-        p.peak_rss = max(p.peak_rss, peak_rss())
+        p.peak_rss = max(p.peak_rss, peak_rss_bytes())
         reset_peak_rss()
-        self._read, self._store_read = read, store_read
+        self._store_read = store_read
         self._t = time.perf_counter()      # the meter's own work is not the model's
 
     def summary(self) -> dict:

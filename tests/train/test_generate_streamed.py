@@ -6,7 +6,7 @@ on close) and, within a `memory` bound, reads per token only the routed experts 
 lacks (every expert at most once when the cache holds them all); a too-small bound is refused
 naming the need; the command prints the continuation on stdout and the per-phase figures on
 stderr, batches several prompts (each the continuation it gets alone), and the end-of-run
-sample's figures are in summary.json."""
+sample's figures are in summary.json; `moescale bench generate --run` streams the run."""
 
 from __future__ import annotations
 
@@ -144,3 +144,16 @@ def test_the_end_of_run_sample_reports_its_figures(disk_run):
     assert stats["prefill"]["forwards"] == 1 and stats["decode"]["tokens"] == 19
     assert stats["decode"]["hit_rate"] is not None and stats["master_bytes"] > 0
     assert stats["decode"]["peak_rss"] > 0
+
+
+def test_the_bench_streams_a_trained_run(disk_run, tmp_path):
+    from moescale.bench import generate
+
+    run_dir, _ = disk_run
+    out = tmp_path / "gen.json"
+    assert generate.main(["--run", str(run_dir), "--memory", str(memory_for(run_dir, 3)),
+                          "--tokens", "12", "--probe-mb", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["source"] == str(run_dir) and res["memory_plan"]["cached_experts"] == 3
+    assert res["decode"]["tokens"] == 11 and res["decode"]["min_read_per_token"] > 0
+    assert not list(run_dir.glob(".generate-store-*"))     # its store directory is removed
