@@ -25,7 +25,8 @@ Reported for decode, per generated token:
   issue's "<= 1.1x the routed experts' bytes");
 - tokens/s beside the disk bound: the store path's cold read rate (disk_probe, direct I/O at
   one master row per request, on the store's own files before generation) / min_read;
-- the host cache's hit rate, the seconds compute waited for experts, peak RSS per phase;
+- the host cache's hit rate, the seconds compute waited for experts, peak RSS per phase (and
+  the RSS before the model was built: the interpreter and torch, outside --memory);
 - with `--recompute`, the same tokens generated as before the KV cache (the whole window per
   token) through the same cache: what the KV cache saves.
 
@@ -117,14 +118,20 @@ def _disk_rate(engine, directory: str, master_bytes: int, nbytes: int) -> float 
     return rates.get("read")
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def run(args) -> dict:
     from moescale.train.gen_stats import GenerationMeter
-    from moescale.train.streamed import open_run
+    from moescale.train.streamed import open_run, release_freed_memory
 
     memory = parse_size(args.memory, "--memory")
     if args.threads:
         torch.set_num_threads(args.threads)
     made = None
+    rss_before = _rss()           # the interpreter and torch, before any model
     start = time.perf_counter()
     if args.run:
         opened = open_run(args.run, experts="disk", memory=memory)
@@ -135,9 +142,10 @@ def run(args) -> dict:
         opened = None
         model, engine, plan = _random_model(args, memory, directory)
     setup_s = time.perf_counter() - start
+    release_freed_memory()
     try:
         rate = _disk_rate(engine, directory, plan.master_bytes, int(args.probe_mb * 2**20))
-        engine.store.drop_cache()
+        release_freed_memory()       # the probe's buffers
         idx_1S = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens),
                                generator=torch.Generator().manual_seed(0))
         meter = GenerationMeter(model, engine)
@@ -183,7 +191,7 @@ def run(args) -> dict:
                                         if d["routed_bytes_per_token"] else None),
                     disk_bound_tokens_per_s=rate / min_read if rate and min_read else None,
                     peak_rss=d["peak_rss"]),
-        prefill_peak_rss=stats["prefill"]["peak_rss"])
+        prefill_peak_rss=stats["prefill"]["peak_rss"], rss_before_model=rss_before)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{d['min_read_per_token'] / mib:.2f} (x{fmt(d['device_over_min'], '.3f')}), routed "
           f"{d['routed_per_token'] / mib:.2f} (x{fmt(d['device_over_routed'], '.3f')}), "
           f"hit rate {fmt(d['hit_rate'], '.1%')}, peak RSS {d['peak_rss'] / mib:.0f} MiB "
-          f"(prefill {result['prefill_peak_rss'] / mib:.0f} MiB)")
+          f"(prefill {result['prefill_peak_rss'] / mib:.0f} MiB; before the model "
+          f"{result['rss_before_model'] / mib:.0f} MiB)")
     if "recompute" in result["phases"]:
         r = result["phases"]["recompute"]
         seconds = r["prefill"]["seconds"] + r["decode"]["seconds"]

@@ -21,7 +21,8 @@
 the dense weights (fp32), the KV cache of `batch` sequences, three experts' device copies
 (double-buffered uploads) and the disk tier's host cache, which gets the rest (at least two
 experts; ValueError naming the shortfall otherwise). The interpreter and torch themselves
-(~0.3-0.5 GiB of RSS) come on top. The host cache's slots are sized for whole records (master,
+(~0.3-0.5 GiB of RSS) come on top; what loading freed is handed back to the kernel first
+(`release_freed_memory`: glibc keeps freed heap memory otherwise). The host cache's slots are sized for whole records (master,
 moments, gradient) but generation only ever reads the master row into them, so a slot's
 resident memory is one master: the cache holds (memory left) / (master bytes) experts. (On
 CUDA the slots are page-locked as a whole; count four times that there.)
@@ -32,6 +33,7 @@ Deliberately not here: the sampling loop and KV cache (GPT.generate), the measur
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -97,6 +99,15 @@ class OpenRun:
         self.close()
 
 
+def release_freed_memory() -> None:
+    """Hand the heap memory that loading freed back to the kernel (glibc's malloc_trim), so
+    that generation's RSS starts from what the model holds; a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def resolve_experts(experts: str, memory: int | None, run_tier: str) -> str:
     """The residency `auto` stands for (see the module docstring)."""
     if experts not in EXPERTS:
@@ -148,6 +159,7 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
     device = torch.device(device)
     if kind == "resident":
         model, config, _ = load_run_offloaded(run_dir, step, device, None)
+        release_freed_memory()
         return OpenRun(model, config, kind)
     state = {}
 
@@ -181,4 +193,5 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
         if state.get("directory") is not None:
             shutil.rmtree(state["directory"], ignore_errors=True)
         raise
+    release_freed_memory()
     return OpenRun(model, config, kind, engine, state.get("directory"), state.get("plan"))
