@@ -27,13 +27,15 @@ Reported for decode, per generated token:
   one master row per request, on the store's own files before generation) / min_read;
 - the host cache's hit rate, the seconds compute waited for experts, peak RSS per phase (and
   the RSS before the model was built: the interpreter and torch, outside --memory);
+- with `--prefetch`, a second KV-cached pass with next-layer prefetch (the next MoE layer's
+  router applied to the current layer's input, its picks read ahead: streamed.NextLayerPrefetch),
+  its tokens/s, bytes and the share of guessed experts the layer then used;
 - with `--recompute`, the same tokens generated as before the KV cache (the whole window per
   token) through the same cache: what the KV cache saves.
 
 The result goes to benchmarks/results/generate_<hardware>[_<tag>].json with the CPU flags.
 
-Deliberately not here: the streaming itself (moescale.train.streamed, moescale.offload), next-
-layer prefetch (not implemented: the store reads ahead only within a layer's announced order).
+Deliberately not here: the streaming itself (moescale.train.streamed, moescale.offload).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(seeded; 0: greedy, which makes a random model repeat one token)")
     p.add_argument("--recompute", action="store_true", help="also generate as before the KV "
                    "cache (the whole window per token), for comparison: reads far more")
+    p.add_argument("--prefetch", action="store_true", help="also generate with next-layer "
+                   "prefetch (streamed.NextLayerPrefetch), for comparison")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--probe-mb", type=float, default=256, help="bytes read by the disk probe")
     p.add_argument("--dir", default=None, help="random model: where its expert files go (a "
@@ -125,7 +129,7 @@ def _rss() -> int:
 
 def run(args) -> dict:
     from moescale.train.gen_stats import GenerationMeter
-    from moescale.train.streamed import open_run, release_freed_memory
+    from moescale.train.streamed import NextLayerPrefetch, open_run, release_freed_memory
 
     memory = parse_size(args.memory, "--memory")
     if args.threads:
@@ -148,6 +152,9 @@ def run(args) -> dict:
         release_freed_memory()       # the probe's buffers
         idx_1S = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens),
                                generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():    # warm-up (first-call costs), then a cold host cache
+            model.generate(idx_1S, 4, temperature=0)
+        engine.store.drop_cache()
         meter = GenerationMeter(model, engine)
         wait0 = engine.cache.wait_seconds
         with torch.no_grad():
@@ -155,6 +162,17 @@ def run(args) -> dict:
                            generator=torch.Generator().manual_seed(1), on_token=meter.on_token)
         wait_s = engine.cache.wait_seconds - wait0
         stats = meter.summary()
+        if args.prefetch:
+            engine.store.drop_cache()
+            again, prefetch = GenerationMeter(model, engine), NextLayerPrefetch(model, engine)
+            try:
+                with torch.no_grad():
+                    model.generate(idx_1S, args.tokens, temperature=args.temperature,
+                                   generator=torch.Generator().manual_seed(1),
+                                   on_token=again.on_token)
+            finally:
+                prefetch.close()
+            stats["prefetch"] = dict(again.summary(), accuracy=prefetch.accuracy)
         if args.recompute:
             engine.store.drop_cache()
             again = GenerationMeter(model, engine)
@@ -213,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
           f"hit rate {fmt(d['hit_rate'], '.1%')}, peak RSS {d['peak_rss'] / mib:.0f} MiB "
           f"(prefill {result['prefill_peak_rss'] / mib:.0f} MiB; before the model "
           f"{result['rss_before_model'] / mib:.0f} MiB)")
+    if "prefetch" in result["phases"]:
+        r = result["phases"]["prefetch"]
+        print(f"with next-layer prefetch: {r['decode']['tokens_per_s']:.2f} tokens/s, device "
+              f"read {r['decode']['read_bytes_per_token'] / mib:.2f} MiB/token (wrong guesses "
+              f"are reads too), guesses right {fmt(r['accuracy'], '.1%')}")
     if "recompute" in result["phases"]:
         r = result["phases"]["recompute"]
         seconds = r["prefill"]["seconds"] + r["decode"]["seconds"]

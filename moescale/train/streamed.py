@@ -45,6 +45,7 @@ from moescale.layers.moe import MoE
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.direct_io import align_up
 from moescale.offload.planner import fmt_bytes
+from moescale.offload.records import M
 from moescale.train.load_run import load_run_offloaded, run_config
 
 EXPERTS = ("auto", "resident", "host", "disk")
@@ -195,3 +196,47 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
         raise
     release_freed_memory()
     return OpenRun(model, config, kind, engine, state.get("directory"), state.get("plan"))
+
+
+class NextLayerPrefetch:
+    """Speculative read-ahead of the next MoE layer's experts (after mixtral-offloading): once
+    MoE layer i has run, the next MoE layer's router is applied to layer i's input and the
+    disk tier is told to read the experts it picks (`ExpertStore.set_upcoming`; reads start on
+    the store's I/O threads while block i+1's attention runs). A wrong guess costs a read and
+    a cache slot. `predicted` / `correct` count guessed experts and those the layer then used.
+    An evaluation (`moescale bench generate --prefetch`); `close()` removes the hooks."""
+
+    def __init__(self, model, engine) -> None:
+        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.store = engine.store
+        self.predicted = self.correct = 0
+        self._guess: dict[int, set[int]] = {}
+        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.moes)]
+
+    def _hook(self, i: int):
+        def hook(module, args, output) -> None:
+            guess = self._guess.pop(i, None)
+            if guess is not None and module.last_stats is not None:
+                used = set(torch.nonzero(module.last_stats.routed_E).flatten().tolist())
+                self.correct += len(guess & used)
+            if i + 1 == len(self.moes):
+                return
+            nxt = self.moes[i + 1]
+            with torch.no_grad():
+                ids = nxt.router(args[0].reshape(-1, nxt.config.d_model)).expert_ids_TK
+            guess = set(ids.flatten().tolist())
+            self._guess[i + 1] = guess
+            self.predicted += len(guess)
+            layer = nxt.experts.layer_index
+            self.store.set_upcoming([((layer, e), M) for e in sorted(guess)],
+                                    keep=lambda key: True)
+        return hook
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.predicted if self.predicted else None
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

@@ -6,7 +6,8 @@ on close) and, within a `memory` bound, reads per token only the routed experts 
 lacks (every expert at most once when the cache holds them all); a too-small bound is refused
 naming the need; the command prints the continuation on stdout and the per-phase figures on
 stderr, batches several prompts (each the continuation it gets alone), and the end-of-run
-sample's figures are in summary.json; `moescale bench generate --run` streams the run."""
+sample's figures are in summary.json; `moescale bench generate --run` streams the run; next-layer
+prefetch changes what is read, not the tokens."""
 
 from __future__ import annotations
 
@@ -157,3 +158,17 @@ def test_the_bench_streams_a_trained_run(disk_run, tmp_path):
     assert res["source"] == str(run_dir) and res["memory_plan"]["cached_experts"] == 3
     assert res["decode"]["tokens"] == 11 and res["decode"]["min_read_per_token"] > 0
     assert not list(run_dir.glob(".generate-store-*"))     # its store directory is removed
+
+
+def test_next_layer_prefetch_changes_reads_not_tokens(disk_run):
+    from moescale.train.streamed import NextLayerPrefetch
+
+    run_dir, want = disk_run
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
+                            batch=2) as run:
+        prefetch = NextLayerPrefetch(run.model, run.engine)
+        got = run.model.generate(IDX, 40, temperature=0)
+        prefetch.close()
+        assert torch.equal(got, want)
+        assert prefetch.predicted >= 40 and 0 <= prefetch.correct <= prefetch.predicted
+        assert not any(m._forward_hooks for m in prefetch.moes)
