@@ -37,12 +37,14 @@ def prompt(batch=2, length=5, seed=1) -> torch.Tensor:
     return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-SHAPES = [dict(), dict(n_kv_heads=2, glu=True, activation="silu"), dict(n_kv_heads=1),
-          dict(moe_every=2, tie_embeddings=False)]
-IDS = ["mha", "gqa-glu", "mqa", "moe-every-2"]
+SHAPES = [pytest.param(dict(), id="mha"),
+          pytest.param(dict(n_kv_heads=2, glu=True, activation="silu"), id="gqa-glu"),
+          pytest.param(dict(n_kv_heads=1), id="mqa", marks=pytest.mark.slow),
+          pytest.param(dict(moe_every=2, tie_embeddings=False), id="moe-every-2",
+                       marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("kw", SHAPES, ids=IDS)
+@pytest.mark.parametrize("kw", SHAPES)
 def test_cached_logits_match_a_full_forward_and_greedy_tokens_match_recompute(kw):
     model = gpt(**kw)
     with torch.no_grad():

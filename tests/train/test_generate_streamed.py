@@ -40,8 +40,10 @@ def disk_run(corpus, tmp_path_factory):
     return run_dir, model.generate(IDX, 40, temperature=0, kv_cache=False)
 
 
-@pytest.mark.parametrize("experts,cached", [("resident", None), ("host", None),
-                                            ("disk", None), ("disk", 2)])
+@pytest.mark.parametrize("experts,cached", [  # the fast lane keeps the disk tier in a bound
+    pytest.param("resident", None, marks=pytest.mark.slow),
+    pytest.param("host", None, marks=pytest.mark.slow),
+    pytest.param("disk", None, marks=pytest.mark.slow), ("disk", 2)])
 def test_every_residency_decodes_the_resident_recompute_tokens(disk_run, experts, cached):
     run_dir, want = disk_run
     memory = None if cached is None else memory_for(run_dir, cached, batch=2)
@@ -147,6 +149,7 @@ def test_the_end_of_run_sample_reports_its_figures(disk_run):
     assert stats["decode"]["peak_rss"] > 0
 
 
+@pytest.mark.slow
 def test_the_bench_streams_a_trained_run(disk_run, tmp_path):
     from moescale.bench import generate
 
@@ -160,6 +163,7 @@ def test_the_bench_streams_a_trained_run(disk_run, tmp_path):
     assert not list(run_dir.glob(".generate-store-*"))     # its store directory is removed
 
 
+@pytest.mark.slow
 def test_next_layer_prefetch_changes_reads_not_tokens(disk_run):
     from moescale.train.streamed import NextLayerPrefetch
 
