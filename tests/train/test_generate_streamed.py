@@ -7,7 +7,8 @@ lacks (every expert at most once when the cache holds them all); a too-small bou
 naming the need; the command prints the continuation on stdout and the per-phase figures on
 stderr, batches several prompts (each the continuation it gets alone), and the end-of-run
 sample's figures are in summary.json; `moescale bench generate --run` streams the run; next-layer
-prefetch changes what is read, not the tokens."""
+prefetch changes what is read, not the tokens; a damaged newest checkpoint (a corrupt record)
+streams the previous one, its store directory removed."""
 
 from __future__ import annotations
 
@@ -176,3 +177,22 @@ def test_next_layer_prefetch_changes_reads_not_tokens(disk_run):
         assert torch.equal(got, want)
         assert prefetch.predicted >= 40 and 0 <= prefetch.correct <= prefetch.predicted
         assert not any(m._forward_hooks for m in prefetch.moes)
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_streams_the_previous_one(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    config = tiny_run_config(corpus, run_dir, steps=4, every=2, keep_last=2, **{
+        "offload.tier": "disk", "offload.step_mode": "eager", "optim.grad_clip": "0"})
+    assert Trainer(config, run_dir, out=open("/dev/null", "w")).run() == 0
+    record = next((run_dir / "checkpoints" / "expert-shards-00000004").rglob("*.bin"))
+    data = bytearray(record.read_bytes())
+    data[100:108] = bytes(8)          # inside the master row: its chunk sum no longer matches
+    record.write_bytes(bytes(data))
+    previous, _ = moescale.load_run(run_dir, step=2)
+    want = previous.generate(IDX, 10, temperature=0, kv_cache=False)
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
+                            batch=2) as run:
+        assert torch.equal(run.model.generate(IDX, 10, temperature=0), want)
+    assert "trying the previous checkpoint" in capsys.readouterr().err
+    assert not list(run_dir.glob(".generate-store-*"))
