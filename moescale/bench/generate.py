@@ -144,7 +144,11 @@ def run(args) -> dict:
     else:
         directory = made = tempfile.mkdtemp(prefix="moescale-gen-", dir=args.dir or "/var/tmp")
         opened = None
-        model, engine, plan = _random_model(args, memory, directory)
+        try:
+            model, engine, plan = _random_model(args, memory, directory)
+        except BaseException:
+            shutil.rmtree(made, ignore_errors=True)
+            raise
     setup_s = time.perf_counter() - start
     release_freed_memory()
     try:

@@ -37,3 +37,4 @@ def test_the_bench_measures_bytes_per_token_against_the_minimum(tmp_path, capsys
     assert list(tmp_path.iterdir()) == [out]           # the expert files are removed
     with pytest.raises(ValueError, match="raise --memory"):
         generate.main([*TINY, "--memory", "1MiB", "--dir", str(tmp_path), "--out", str(out)])
+    assert list(tmp_path.iterdir()) == [out]           # nothing left behind
