@@ -8,7 +8,8 @@
 
 - `resident`: parameters of the model (moescale.load_run), for runs that fit in memory;
 - `host`: in a host-tier ExpertStore (fp32 records in RAM, streamed through the device cache);
-- `disk`: in a disk-tier ExpertStore in a fresh directory inside RUN_DIR (removed on close),
+- `disk`: in a disk-tier ExpertStore in a fresh directory inside RUN_DIR (removed on close;
+  one a killed process left behind is removed by the next open_run of the run),
   filled from the checkpoint's expert shards: a disk-tier run's record files are adopted by
   hard link (no expert is copied or passes through memory), other runs' experts are written
   there one at a time. Each forward reads only the master rows of the experts its tokens route
@@ -34,6 +35,7 @@ Deliberately not here: the sampling loop and KV cache (GPT.generate), the measur
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ from moescale.offload.records import M
 from moescale.train.load_run import load_run_offloaded, run_config
 
 EXPERTS = ("auto", "resident", "host", "disk")
+STORE_PREFIX = ".generate-store-"   # RUN_DIR/.generate-store-<pid>-<random>: a disk-tier store
 DEVICE_EXPERTS = 3.0          # device copies: the one computing, the next, one more in flight
 
 
@@ -98,6 +101,28 @@ class OpenRun:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def remove_stale_stores(run_dir: str | Path) -> list[Path]:
+    """Remove the generation stores in RUN_DIR whose process is gone (killed before its close:
+    `.generate-store-<pid>-*`); returns them. Another live generation's store is left alone."""
+    removed = []
+    for path in Path(run_dir).glob(f"{STORE_PREFIX}*"):
+        pid = path.name[len(STORE_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def release_freed_memory() -> None:
@@ -171,9 +196,10 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
             plan = memory_plan(model, memory, batch) if memory is not None else None
             state["plan"] = plan
             if state.get("directory") is None:
+                remove_stale_stores(run_dir)
                 try:
-                    state["directory"] = Path(tempfile.mkdtemp(prefix=".generate-store-",
-                                                               dir=run_dir))
+                    state["directory"] = Path(tempfile.mkdtemp(
+                        prefix=f"{STORE_PREFIX}{os.getpid()}-", dir=run_dir))
                 except OSError as err:
                     raise ValueError(f"cannot create the generation store in {str(run_dir)!r} "
                                      f"({err.strerror}); the disk tier needs a writable run "

@@ -8,7 +8,8 @@ naming the need; the command prints the continuation on stdout and the per-phase
 stderr, batches several prompts (each the continuation it gets alone), and the end-of-run
 sample's figures are in summary.json; `moescale bench generate --run` streams the run; next-layer
 prefetch changes what is read, not the tokens; a damaged newest checkpoint (a corrupt record)
-streams the previous one, its store directory removed."""
+streams the previous one, its store directory removed; the store a kill -9 left behind is removed
+by the next load (a live one is kept)."""
 
 from __future__ import annotations
 
@@ -195,4 +196,35 @@ def test_a_damaged_newest_checkpoint_streams_the_previous_one(corpus, tmp_path, 
                             batch=2) as run:
         assert torch.equal(run.model.generate(IDX, 10, temperature=0), want)
     assert "trying the previous checkpoint" in capsys.readouterr().err
+    assert not list(run_dir.glob(".generate-store-*"))
+
+
+@pytest.mark.slow
+def test_a_killed_generation_leaves_a_store_the_next_one_removes(disk_run):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from moescale.train.streamed import remove_stale_stores
+
+    run_dir, _ = disk_run
+    proc = subprocess.Popen([sys.executable, "-m", "moescale", "generate", str(run_dir),
+                             "--prompt", "def ", "--tokens", "100000", "--memory", "1MiB",
+                             "--threads", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(run_dir.glob(".generate-store-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stale = list(run_dir.glob(".generate-store-*"))
+        assert stale and stale[0].name.startswith(f".generate-store-{proc.pid}-")
+        assert remove_stale_stores(run_dir) == []           # its process is alive: kept
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert list(run_dir.glob(".generate-store-*")) == stale   # kill -9: nothing cleaned up
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3)) as run:
+        assert [p.name for p in run_dir.glob(".generate-store-*")] == [run.directory.name]
     assert not list(run_dir.glob(".generate-store-*"))
