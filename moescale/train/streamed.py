@@ -48,6 +48,7 @@ from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.direct_io import align_up
 from moescale.offload.planner import fmt_bytes
 from moescale.offload.records import M
+from moescale.shared_store.node_store import owner_alive
 from moescale.train.load_run import load_run_offloaded, run_config
 
 EXPERTS = ("auto", "resident", "host", "disk")
@@ -109,20 +110,11 @@ def remove_stale_stores(run_dir: str | Path) -> list[Path]:
     removed = []
     for path in Path(run_dir).glob(f"{STORE_PREFIX}*"):
         pid = path.name[len(STORE_PREFIX):].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not owner_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def release_freed_memory() -> None:
