@@ -116,7 +116,6 @@ def remove_stale_stores(run_dir: str | Path) -> list[Path]:
     return removed
 
 
-
 def release_freed_memory() -> None:
     """Hand the heap memory that loading freed back to the kernel (glibc's malloc_trim), so
     that generation's RSS starts from what the model holds; a no-op elsewhere."""
