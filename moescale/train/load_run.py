@@ -83,7 +83,7 @@ def _fill(model: GPT, ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: d
                          "train on to write a checkpoint of the current format")
     if sharded:
         load_expert_shards(model, str(ckpt_dir), state.get("expert_shards") or [],
-                           engine=engine)
+                           engine=engine, masters_only=engine is not None)
 
 
 def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.device = "cpu"
@@ -96,8 +96,10 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.d
 def load_run_offloaded(run_dir: str | Path, step: int | None, device: str | torch.device,
                        offload) -> tuple[GPT, RunConfig, object]:
     """load_run whose experts `offload(model) -> OffloadEngine` moves out of the meta-device
-    model first (None: resident); returns (model, config, engine or None). The engine of a
-    checkpoint that fails verification is closed before the previous one is tried."""
+    model first (None: resident); returns (model, config, engine or None). The offloaded
+    experts are for generation: only their masters are read and verified (the moments load as
+    zero). The engine of a checkpoint that fails verification is closed before the previous
+    one is tried."""
     config = run_config(run_dir)
     ckpt_dir = Path(run_dir) / "checkpoints"
     found = list_checkpoints(ckpt_dir)

@@ -7,8 +7,9 @@ lacks (every expert at most once when the cache holds them all); a too-small bou
 naming the need; the command prints the continuation on stdout and the per-phase figures on
 stderr, batches several prompts (each the continuation it gets alone), and the end-of-run
 sample's figures are in summary.json; `moescale bench generate --run` streams the run; next-layer
-prefetch changes what is read, not the tokens; a damaged newest checkpoint (a corrupt record)
-streams the previous one, its store directory removed; the store a kill -9 left behind is removed
+prefetch changes what is read, not the tokens; a corrupt master row in the newest checkpoint
+streams the previous one (its store directory removed), a corrupt moment row does not matter
+(generation reads and verifies masters only); the store a kill -9 left behind is removed
 by the next load (a live one is kept)."""
 
 from __future__ import annotations
@@ -69,14 +70,18 @@ def _quiet():
         yield
 
 
-def memory_for(run_dir, cached_experts: int, batch: int = 1) -> int:
-    """The `memory` whose host cache holds `cached_experts` experts of the run's model."""
+def meta_model(run_dir):
+    """The run's GPT on the meta device (byte vocabulary)."""
     from moescale.train.load_run import run_config
     from moescale.train.model import build_model
 
     with torch.device("meta"):
-        model = build_model(run_config(run_dir), 256)
-    plan = memory_plan(model, 1 << 40, batch=batch)
+        return build_model(run_config(run_dir), 256)
+
+
+def memory_for(run_dir, cached_experts: int, batch: int = 1) -> int:
+    """The `memory` whose host cache holds `cached_experts` experts of the run's model."""
+    plan = memory_plan(meta_model(run_dir), 1 << 40, batch=batch)
     return plan.dense + plan.kv_cache + plan.device_copies + cached_experts * plan.master_bytes
 
 
@@ -186,15 +191,28 @@ def test_a_damaged_newest_checkpoint_streams_the_previous_one(corpus, tmp_path, 
     config = tiny_run_config(corpus, run_dir, steps=4, every=2, keep_last=2, **{
         "offload.tier": "disk", "offload.step_mode": "eager", "optim.grad_clip": "0"})
     assert Trainer(config, run_dir, out=open("/dev/null", "w")).run() == 0
+    newest, _ = moescale.load_run(run_dir)
+    want4 = newest.generate(IDX, 10, temperature=0, kv_cache=False)
+    want2 = moescale.load_run(run_dir, step=2)[0].generate(IDX, 10, temperature=0,
+                                                           kv_cache=False)
     record = next((run_dir / "checkpoints" / "expert-shards-00000004").rglob("*.bin"))
-    data = bytearray(record.read_bytes())
-    data[100:108] = bytes(8)          # inside the master row: its chunk sum no longer matches
-    record.write_bytes(bytes(data))
-    previous, _ = moescale.load_run(run_dir, step=2)
-    want = previous.generate(IDX, 10, temperature=0, kv_cache=False)
-    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
-                            batch=2) as run:
-        assert torch.equal(run.model.generate(IDX, 10, temperature=0), want)
+    experts = meta_model(run_dir).blocks[0].ffn.experts
+    numel = sum(p.numel() for p in experts.parameters()) // experts.num_experts
+    stride = 4096 * -(-4 * numel // 4096)     # a record's row, 4 KiB-aligned
+
+    def corrupt(offset):
+        with open(record, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes(8) if f.read(8) != bytes(8) else b"\x01" * 8)
+
+    memory = memory_for(run_dir, 3, 2)
+    corrupt(stride + 100)        # a moment row: generation reads and verifies masters only
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory, batch=2) as run:
+        assert torch.equal(run.model.generate(IDX, 10, temperature=0), want4)
+    assert "previous checkpoint" not in capsys.readouterr().err
+    corrupt(100)                 # the master row: the newest checkpoint is refused
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory, batch=2) as run:
+        assert torch.equal(run.model.generate(IDX, 10, temperature=0), want2)
     assert "trying the previous checkpoint" in capsys.readouterr().err
     assert not list(run_dir.glob(".generate-store-*"))
 
