@@ -105,9 +105,8 @@ class DiskTier:
     # ----------------------------------------------------------------- set-up
     def add_layer(self, numel: int, num_experts: int, init) -> None:
         """Write the layer's files: init(e) as the master (None: zero, not written), zero
-        moments (a sparse tail). Files
-        a previous run left there are unlinked first, never written over (a checkpoint may hold
-        links to them)."""
+        moments (a sparse tail). Files a previous run left there are unlinked first, never
+        written over (a checkpoint may hold links to them)."""
         layer = len(self.numels)
         self.numels.append(numel)
         os.makedirs(self._layer_dir(layer), exist_ok=True)
