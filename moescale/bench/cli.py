@@ -34,6 +34,8 @@ BENCHMARKS = {
                  "pipelined all-to-all: step time per chunk count, tuner pick, overlap"),
     "ep-offload": ("moescale.bench.ep_offload",
                    "pipelined EP with host-tier experts vs the unpipelined offloaded path"),
+    "generate": ("moescale.bench.generate",
+                 "KV-cached generation with disk-tier experts: bytes/token vs minimum, disk rate"),
     "data": ("moescale.bench.data_tokenize",
              "tokenizing a text folder into the token cache: throughput, peak memory"),
 }

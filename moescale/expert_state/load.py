@@ -6,8 +6,9 @@
    layer's expert count and tensor shapes must be this model's.
 3. Verify: every needed tensor's xxh3-64 (safetensors) or every chunk sum of a record's master
    and moment rows (disk-tier records, read by direct I/O through one reused aligned buffer),
-   before anything changes: a corrupt or missing shard raises `ShardCheckpointError` (a
-   StoreCheckpointError) naming the file, and the model, optimizer and stores are untouched.
+   before anything changes (`masters_only`, for generation: the master rows alone): a
+   corrupt or missing shard raises `ShardCheckpointError` (a StoreCheckpointError) naming the
+   file, and the model, optimizer and stores are untouched.
 4. Write: offload engines are synchronized and their device caches cleared; then per expert
    the resident parameters and the optimizer's AdamW state, or the store record (master,
    moments, step; the gradient accumulator zeroed). A disk-tier store on the same filesystem
@@ -98,9 +99,11 @@ class _FileTensors(Mapping):
 class _Reader:
     """Open shard files and one aligned record buffer, shared by every job."""
 
-    def __init__(self, jobs: list[_Job], chunk_bytes: int) -> None:
+    def __init__(self, jobs: list[_Job], chunk_bytes: int, masters_only: bool = False) -> None:
         self.files: dict[str, TensorFile] = {}
-        sizes = [j.geometry.offsets[POS_GRAD] for j in jobs if j.record]
+        self.masters_only = masters_only
+        sizes = [j.geometry.offsets[POS_EXP_AVG if masters_only else POS_GRAD]
+                 for j in jobs if j.record]
         self.io = DirectIO(threads=2, chunk_bytes=chunk_bytes) if sizes else None
         self.pool = SlotPool(1, max(sizes)) if sizes else None
         self.chunk = chunk_bytes
@@ -117,15 +120,18 @@ class _Reader:
         return file
 
     def record(self, job: _Job) -> torch.Tensor:
-        """The master and moment rows of a record file, read and checked (uint8)."""
+        """The master and moment rows of a record file, read and checked (uint8; masters_only:
+        the master row)."""
         geo = job.geometry
-        rows_u8 = self.pool.slots[0][:geo.offsets[POS_GRAD]]
+        positions = (POS_MASTER,) if self.masters_only else \
+            (POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ)
+        rows_u8 = self.pool.slots[0][:geo.offsets[positions[-1] + 1]]
         try:
             self.io.read(job.path, 0, rows_u8).result()
         except OSError as err:
             raise ShardCheckpointError(f"{job.where()} cannot be read ({err.strerror or err}); "
                                        "the checkpoint is incomplete or corrupt") from err
-        for pos in (POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ):
+        for pos in positions:
             if chunk_sums(rows_u8[geo.offsets[pos]:geo.offsets[pos + 1]], self.chunk) != \
                     job.info["sums"].get(str(pos)):
                 raise ShardCheckpointError(f"{job.where()} does not match its checksum; the "
@@ -137,7 +143,8 @@ class _Reader:
             self.record(job)
             return
         file = self.tensors(job)
-        parts = ["master"] + (["exp_avg", "exp_avg_sq"] if job.info.get("moments") else [])
+        moments = job.info.get("moments") and not self.masters_only
+        parts = ["master"] + (["exp_avg", "exp_avg_sq"] if moments else [])
         for part in parts:
             for name, _ in job.layer.spec:
                 try:
@@ -158,13 +165,15 @@ class _Reader:
             codec, numel = StateCodec(geo.fmt), layout.numel
             master_P = codec.decode_master(geo.typed(rows_u8, POS_MASTER), numel,
                                            torch.empty(numel) if not geo.fmt.exact else None)
+            if self.masters_only:
+                return layout.split(master_P), None
             moments = [codec.decode_moment(geo.typed(rows_u8, pos), numel, signed, "m",
                                            torch.empty(numel) if not geo.fmt.exact else None)
                        for pos, signed in ((POS_EXP_AVG, True), (POS_EXP_AVG_SQ, False))]
             return layout.split(master_P), (*map(layout.split, moments), float(step))
         file = self.tensors(job)
         master = _FileTensors(job, file, "master")
-        if not job.info.get("moments"):
+        if not job.info.get("moments") or self.masters_only:
             return master, None
         return master, (_FileTensors(job, file, "exp_avg"),
                         _FileTensors(job, file, "exp_avg_sq"), float(step))
@@ -232,18 +241,20 @@ def _adoptable(job: _Job) -> bool:
 
 
 def load_expert_shards(model, directory: str, manifests, *, optimizer=None, engine=None,
-                       share: tuple[int, int] | None = None) -> dict:
+                       share: tuple[int, int] | None = None, masters_only: bool = False) -> dict:
     """Load the experts this process holds from the shards `manifests` (every writer rank's
     entry, as save_expert_shards returned them) under `directory`; see the module docstring.
     `optimizer`: receives the resident experts' AdamW state (load the dense optimizer state
     first: torch's load_state_dict replaces all state); `engine`: the OffloadEngine of
     offloaded experts (default: the one they name); `share=(i, n)`: load block i of n of each
     layer's experts (the ranks of a node-shared store split it; barrier before use). Returns
-    counts: experts loaded, adopted by hard link, bytes read."""
+    counts: experts loaded, adopted by hard link, bytes read. `masters_only` (generation: the
+    experts will never step): only the master rows are read and verified, the moments load as
+    zero (an adopted record file keeps its unverified moment rows, which nothing reads)."""
     layers = held_layers(model, optimizer, engine)
     picks = {layer.key: selected(layer, share) for layer in layers}
     jobs, chunk = _jobs(directory, layers, picks, _locate(manifests))
-    reader = _Reader(jobs, chunk)
+    reader = _Reader(jobs, chunk, masters_only)
     try:
         for job in jobs:
             reader.verify(job)
@@ -272,5 +283,6 @@ def load_expert_shards(model, directory: str, manifests, *, optimizer=None, engi
             store.flush()
     finally:
         reader.close()
-    read = sum(j.geometry.offsets[POS_GRAD] if j.record else 0 for j in jobs)
+    read = sum(j.geometry.offsets[POS_EXP_AVG if masters_only else POS_GRAD] if j.record else 0
+               for j in jobs)
     return dict(experts=len(jobs), adopted=len(adopted), record_bytes_verified=read)

@@ -11,10 +11,14 @@ Switch) and a dense FFN of the same shape otherwise.
 (ignore_index=-100) plus `collect_aux_loss(model)`, the weighted router losses of this call;
 `model.last_loss_parts` keeps both parts detached for logging. `num_parameters()` gives total
 and active-per-token counts; `count_parameters(config)` does it on the meta device without
-allocating anything; `generate()` samples continuations (no KV cache: simple, for samples).
+allocating anything; `generate()` samples continuations with a KV cache (kv_cache.py): one
+forward over the prompt, then one token per forward (`forward_cached`), the same tokens as a
+full recompute of the window per token (which it falls back to when a layer drops tokens by
+capacity: a token's experts then depend on the other tokens of the forward).
 
-Deliberately not here: KV caching, tensor parallelism, fused kernels, learned absolute position
-embeddings (rotary only), training loops and data (moescale.train), named sizes (sizes.py).
+Deliberately not here: tensor parallelism, fused kernels, learned absolute position
+embeddings (rotary only), training loops and data (moescale.train), named sizes (sizes.py),
+expert streaming and generation statistics (moescale.train.streamed, moescale.train.gen_stats).
 
 Legend: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary, T = B*S.
 """
@@ -32,6 +36,7 @@ from torch import nn
 from moescale.layers.activations import ACTIVATIONS, Activation
 from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE, check_loss_and_capacity, collect_aux_loss
+from moescale.models.kv_cache import KVCache, causal_mask
 
 
 @dataclass(kw_only=True)
@@ -155,8 +160,12 @@ class CausalSelfAttention(nn.Module):
                              bias=cfg.bias)       # rows: q (H heads), k, v (n_kv_heads each)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """Causal attention over x's positions; with `cache`, x holds the positions after the
+        cached ones (cos/sin theirs): their keys and values are cached, queries see all."""
+        if cache is not None:
+            return self._cached(x_BSD, cos_SR, sin_SR, cache, layer)
         B, S, D = x_BSD.shape
         H, G, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         if G == H:
@@ -172,6 +181,23 @@ class CausalSelfAttention(nn.Module):
         o_BHSK = F.scaled_dot_product_attention(
             q_BHSK, k_BHSK, v_BHSK, is_causal=True,
             dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(o_BHSK.transpose(1, 2).reshape(B, S, D))
+
+    def _cached(self, x_BSD, cos_SR, sin_SR, cache: KVCache, layer: int) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        H, G, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x_BSD).split([H * Dh, G * Dh, G * Dh], dim=-1)
+        q_BHSK = apply_rotary(q.view(B, S, H, Dh).transpose(1, 2), cos_SR, sin_SR)
+        k_BGSK = apply_rotary(k.view(B, S, G, Dh).transpose(1, 2), cos_SR, sin_SR)
+        past = cache.length
+        k_BGCK, v_BGCK = cache.append(layer, k_BGSK, v.view(B, S, G, Dh).transpose(1, 2))
+        if G != H:      # query head h reads key/value head h // (H / G)
+            k_BGCK, v_BGCK = (t.repeat_interleave(H // G, 1) for t in (k_BGCK, v_BGCK))
+        if past == 0:   # a prefill: the full forward's call
+            o_BHSK = F.scaled_dot_product_attention(q_BHSK, k_BGCK, v_BGCK, is_causal=True)
+        else:
+            o_BHSK = F.scaled_dot_product_attention(
+                q_BHSK, k_BGCK, v_BGCK, attn_mask=causal_mask(past, S, x_BSD.device))
         return self.proj(o_BHSK.transpose(1, 2).reshape(B, S, D))
 
 
@@ -208,8 +234,9 @@ class Block(nn.Module):
             self.ffn = DenseFFN(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BSD, cos_SR, sin_SR):
-        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD), cos_SR, sin_SR))
+    def forward(self, x_BSD, cos_SR, sin_SR, cache: KVCache | None = None, layer: int = 0):
+        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD), cos_SR, sin_SR, cache,
+                                            layer))
         return x_BSD + self.drop(self.ffn(self.ffn_norm(x_BSD)))
 
 
@@ -289,6 +316,35 @@ class GPT(nn.Module):
         self.last_loss_parts = {"ce": ce.detach(), "aux": aux.detach()}
         return logits_BSV, ce + aux
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for `forward_cached` (capacity: the model's seq_len)."""
+        return KVCache(self.config.n_layers, self.config.seq_len)
+
+    def forward_cached(self, idx_BS: torch.Tensor, cache: KVCache, last_only: bool = False
+                       ) -> torch.Tensor:
+        """Logits of the positions after the `cache.length` cached ones ([B, S, V]; [B, 1, V]
+        with last_only), caching their keys and values: an empty cache and the whole sequence
+        give `forward`'s logits; then one token at a time continues it."""
+        cfg = self.config
+        S, past = idx_BS.shape[1], cache.length
+        if S < 1 or past + S > cfg.seq_len:
+            raise ValueError(f"{S} new positions after {past} cached ones: need 1 to "
+                             f"{cfg.seq_len - past} (seq_len={cfg.seq_len})")
+        cos_SR, sin_SR = rotary_cos_sin(past + S, cfg.head_dim, cfg.rope_theta, idx_BS.device)
+        cos_SR, sin_SR = cos_SR[past:], sin_SR[past:]
+        x_BSD = self.drop(self.tok_emb(idx_BS))
+        for i, block in enumerate(self.blocks):
+            x_BSD = block(x_BSD, cos_SR, sin_SR, cache, i)
+        cache.advance(S)
+        if last_only:
+            x_BSD = x_BSD[:, -1:]
+        return self.lm_head(self.norm(x_BSD))
+
+    def cache_exact(self) -> bool:
+        """Whether a KV-cached forward gives a full forward's tokens: no layer drops tokens by
+        capacity (which makes a token's experts depend on the other tokens of its forward)."""
+        return all(m.config.capacity_factor is None for m in self.modules() if isinstance(m, MoE))
+
     def num_parameters(self) -> ParamCount:
         """Total, active-per-token and expert parameter counts (tied weights count once)."""
         total = sum(p.numel() for p in self.parameters())
@@ -302,31 +358,59 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None
-                 ) -> torch.Tensor:
-        """Append `max_new_tokens` sampled tokens (temperature 0: greedy); eval mode inside."""
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 kv_cache: bool = True, on_token=None) -> torch.Tensor:
+        """Append `max_new_tokens` sampled tokens (temperature 0: greedy); eval mode inside.
+
+        KV-cached (kv_cache.py): the prompt's newest seq_len tokens are prefilled in one
+        forward, then each token is one forward of one position; a full cache keeps its newest
+        seq_len // 2 tokens and prefills them again (the context shift). `kv_cache=False`, or a
+        layer with a capacity factor, recomputes the newest seq_len tokens for every token.
+        `on_token(phase, positions, tokens)`, if given, is called after each forward: "prefill"
+        or "decode", the positions it fed and the tokens it generated, summed over the batch
+        (moescale.train.gen_stats.GenerationMeter hooks there)."""
         if max_new_tokens < 0 or temperature < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} and temperature={temperature} "
                              "must be >= 0")
+        cached = kv_cache and self.cache_exact()
+        window, keep = self.config.seq_len, max(1, self.config.seq_len // 2)
+        cache = self.new_cache() if cached else None
         was_training = self.training
         self.eval()
         try:
-            for _ in range(max_new_tokens):
-                logits_BSV, _ = self(idx_BS[:, -self.config.seq_len:])
-                logits_BV = logits_BSV[:, -1, :].float()
-                if temperature == 0:
-                    next_B1 = logits_BV.argmax(-1, keepdim=True)
+            for i in range(max_new_tokens):
+                if not cached:
+                    fed_BS = idx_BS[:, -window:]
+                    logits_BSV, _ = self(fed_BS)
+                    phase = "prefill" if i == 0 else "decode"
+                elif i == 0 or cache.room() == 0:
+                    cache.reset()
+                    fed_BS = idx_BS[:, -(window if i == 0 else keep):]
+                    logits_BSV = self.forward_cached(fed_BS, cache, last_only=True)
+                    phase = "prefill"
                 else:
-                    logits_BV = logits_BV / temperature
-                    if top_k is not None:
-                        kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]))[0][:, -1:]
-                        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-                    next_B1 = torch.multinomial(torch.softmax(logits_BV, -1), 1,
-                                                generator=generator)
+                    fed_BS = idx_BS[:, -1:]
+                    logits_BSV = self.forward_cached(fed_BS, cache)
+                    phase = "decode"
+                next_B1 = _pick(logits_BSV[:, -1, :].float(), temperature, top_k, generator)
                 idx_BS = torch.cat([idx_BS, next_B1], dim=1)
+                if on_token is not None:
+                    on_token(phase, fed_BS.numel(), fed_BS.shape[0])
         finally:
             self.train(was_training)
         return idx_BS
+
+
+def _pick(logits_BV: torch.Tensor, temperature: float, top_k: int | None,
+          generator: torch.Generator | None) -> torch.Tensor:
+    """The next token of each row: argmax (temperature 0) or a top-k sample."""
+    if temperature == 0:
+        return logits_BV.argmax(-1, keepdim=True)
+    logits_BV = logits_BV / temperature
+    if top_k is not None:
+        kth_B1 = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]))[0][:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    return torch.multinomial(torch.softmax(logits_BV, -1), 1, generator=generator)
 
 
 def count_parameters(config: GPTConfig) -> ParamCount:

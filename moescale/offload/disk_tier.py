@@ -115,9 +115,9 @@ class DiskTier:
         return len(self.numels) - 1
 
     def add_layer(self, numel: int, num_experts: int, init) -> None:
-        """Write the layer's files: init(e) as the master, zero moments (a sparse tail). Files
-        a previous run left there are unlinked first, never written over (a checkpoint may hold
-        links to them)."""
+        """Write the layer's files: init(e) as the master (None: zero, not written), zero
+        moments (a sparse tail). Files a previous run left there are unlinked first, never
+        written over (a checkpoint may hold links to them)."""
         layer = self.register_layer(numel)
         geo = self.geometries[layer]
         os.makedirs(self._layer_dir(layer), exist_ok=True)
@@ -132,8 +132,14 @@ class DiskTier:
         try:
             for e in range(num_experts):
                 key = (layer, e)
-                row_P.copy_(init(e))
-                sums = self.io.write(self.path(key), 0, row_u8, create=True).result()
+                master_P = init(e)
+                if master_P is None:     # a zero master left unwritten (a sparse file):
+                    sums = chunk_sums(torch.zeros(geo.strides[POS_MASTER], dtype=torch.uint8),
+                                      self.io.chunk_bytes)   # the caller adopts or writes it
+                    open(self.path(key), "xb").close()
+                else:
+                    row_P.copy_(master_P)
+                    sums = self.io.write(self.path(key), 0, row_u8, create=True).result()
                 os.truncate(self.path(key), geo.total)
                 self.sums[key] = {POS_MASTER: sums, **zeros}
                 self.gen[key] = 0

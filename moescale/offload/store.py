@@ -205,11 +205,16 @@ class ExpertStore:
 
     def add_layer(self, layout: ExpertLayout, num_experts: int,
                   init: Callable[[int], torch.Tensor]) -> int:
-        """Add a layer of experts whose masters are init(e) (flat [P]); returns its index."""
+        """Add a layer of experts whose masters are init(e) (flat [P]; None: zero, and on the
+        disk tier not written, for a caller that loads the real masters next); returns its
+        index."""
         layer = len(self.layouts)
 
-        def master(e: int) -> torch.Tensor:
-            master_P = init(e).detach().reshape(-1).to(torch.float32)
+        def master(e: int) -> torch.Tensor | None:
+            master_P = init(e)
+            if master_P is None:         # disk tier: a zero master, not written (sparse)
+                return None
+            master_P = master_P.detach().reshape(-1).to(torch.float32)
             if master_P.numel() != layout.numel:
                 raise ValueError(f"init({e}) has {master_P.numel()} numbers; the layout wants "
                                  f"{layout.numel}")
@@ -226,7 +231,9 @@ class ExpertStore:
             if self.config.pin_memory:
                 data_EB = data_EB.pin_memory()
             for e in range(num_experts):
-                geo.typed(data_EB[e], POS_MASTER).copy_(master(e))   # round to nearest
+                master_P = master(e)
+                if master_P is not None:     # None: stays zero
+                    geo.typed(data_EB[e], POS_MASTER).copy_(master_P)   # round to nearest
             self._register(layout, data_EB, steps_E)
             return layer
         data_E4P = torch.zeros(num_experts, 4, layout.numel, dtype=torch.float32)
@@ -239,7 +246,9 @@ class ExpertStore:
         elif self.config.pin_memory:
             data_E4P = data_E4P.pin_memory()
         for e in range(num_experts):
-            data_E4P[e, MASTER].copy_(master(e))
+            master_P = master(e)
+            if master_P is not None:     # None: stays zero
+                data_E4P[e, MASTER].copy_(master_P)
         self._register(layout, data_E4P, steps_E)
         return layer
 
@@ -269,7 +278,7 @@ class ExpertStore:
         except BaseException:   # leave nothing behind: a half-written layer is useless
             shutil.rmtree(self.disk._layer_dir(layer), ignore_errors=True)
             raise
-        if layer == 0 and not self.disk.io.direct and self.config.direct_io:
+        if layer == 0 and self.disk.io.direct is False and self.config.direct_io:
             warnings.warn(f"the filesystem of {self.config.directory!r} refuses O_DIRECT "
                           "(tmpfs?): the disk tier uses buffered I/O with "
                           "posix_fadvise(DONTNEED) there", RuntimeWarning, stacklevel=4)

@@ -146,7 +146,8 @@ def store_name(directory: str, node: int) -> str:
                         f"{secrets.token_hex(6)}-{host}.bin")
 
 
-def _owner_alive(pid: int) -> bool:
+def owner_alive(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts; a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -172,7 +173,7 @@ def sweep_stale_stores(directory: str) -> list[str]:
         return removed
     for name in names:
         m = _NAME.fullmatch(name)
-        if m is None or m.group("host") not in (None, host) or _owner_alive(int(m.group("pid"))):
+        if m is None or m.group("host") not in (None, host) or owner_alive(int(m.group("pid"))):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(directory, name))

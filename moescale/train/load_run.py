@@ -16,7 +16,11 @@ is reported on stderr and the previous one is used, as `--resume` does; with `st
 an error.
 
 The model is built on the meta device and filled from the checkpoint, so nothing is
-initialised twice and no expert exists twice in memory.
+initialised twice and no expert exists twice in memory. `load_run_offloaded` (used by
+moescale.train.streamed for generation past memory) builds it offloaded instead: its experts go
+into an ExpertStore (`offload_moe`) that the checkpoint's expert shards fill (disk-tier records
+on the same filesystem by hard link: no expert passes through memory), so only the dense half
+is ever resident.
 
 `run_tokenizer(config)` is the run's text codec: `data.tokenizer` when the run recorded one
 (moescale.train.tokenizer), else None (byte-level ids).
@@ -48,17 +52,22 @@ def run_config(run_dir: str | Path) -> RunConfig:
     return load_config(None, None, base=saved_tree(run_dir, f"run directory {str(run_dir)!r}"))
 
 
-def _build(config: RunConfig, tensors: dict[str, torch.Tensor], device, run_dir) -> GPT:
+def _build(config: RunConfig, tensors: dict[str, torch.Tensor], device, run_dir,
+           offload=None) -> tuple[GPT, object]:
+    """(the model on `device`, its OffloadEngine or None); `offload(model) -> engine` offloads
+    the meta-device model's experts before the dense half is allocated."""
     vocab_size = tensors["model.tok_emb.weight"].shape[0]
     with torch.device("meta"):      # model.hf: its config.json, or the run's copy of it
         model = build_model(config, vocab_size, run_dir=run_dir)
+    engine = offload(model) if offload is not None else None
     model.to_empty(device=device)
     if model.config.tie_embeddings:          # to_empty gives each name its own tensor
         model.lm_head.weight = model.tok_emb.weight
-    return model
+    return model, engine
 
 
-def _fill(model: GPT, ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: dict) -> None:
+def _fill(model: GPT, ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: dict,
+          engine=None) -> None:
     """Dense half, then the expert shards (any writer layout); legacy: everything dense."""
     dense = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     sharded = state.get("format") == RUN_STATE_FORMAT
@@ -68,13 +77,29 @@ def _fill(model: GPT, ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: d
     if missing or unexpected:
         raise ValueError(f"the checkpoint does not fit the model its config.toml builds "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if engine is not None and not sharded:
+        raise ValueError("this run's checkpoints are of the earlier consolidated format (every "
+                         "expert in the dense file); load it resident (moescale.load_run), or "
+                         "train on to write a checkpoint of the current format")
     if sharded:
-        load_expert_shards(model, str(ckpt_dir), state.get("expert_shards") or [])
+        load_expert_shards(model, str(ckpt_dir), state.get("expert_shards") or [],
+                           engine=engine, masters_only=engine is not None)
 
 
 def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.device = "cpu"
              ) -> tuple[GPT, RunConfig]:
     """(model in eval mode on `device`, the run's RunConfig); see the module docstring."""
+    model, config, _ = load_run_offloaded(run_dir, step, device, None)
+    return model, config
+
+
+def load_run_offloaded(run_dir: str | Path, step: int | None, device: str | torch.device,
+                       offload) -> tuple[GPT, RunConfig, object]:
+    """load_run whose experts `offload(model) -> OffloadEngine` moves out of the meta-device
+    model first (None: resident); returns (model, config, engine or None). The offloaded
+    experts are for generation: only their masters are read and verified (the moments load as
+    zero). The engine of a checkpoint that fails verification is closed before the previous
+    one is tried."""
     config = run_config(run_dir)
     ckpt_dir = Path(run_dir) / "checkpoints"
     found = list_checkpoints(ckpt_dir)
@@ -88,18 +113,29 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.d
             raise ValueError(f"step={step}: {str(run_dir)!r} has checkpoints of steps "
                              f"{[s for s, _ in found]}; pick one of them")
         tensors, state = load_checkpoint(checkpoint_path(ckpt_dir, step))
-        model = _build(config, tensors, device, run_dir)
-        _fill(model, ckpt_dir, tensors, state)
-        return model.eval(), config
+        model, engine = _build(config, tensors, device, run_dir, offload)
+        try:
+            _fill(model, ckpt_dir, tensors, state, engine)
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            raise
+        return model.eval(), config, engine
     warn = lambda m: print(m, file=sys.stderr)   # noqa: E731
     for path, tensors, state in verified_checkpoints(ckpt_dir, warn):
-        model = _build(config, tensors, device, run_dir)
+        model, engine = _build(config, tensors, device, run_dir, offload)
         try:
-            _fill(model, ckpt_dir, tensors, state)
+            _fill(model, ckpt_dir, tensors, state, engine)
         except StoreCheckpointError as err:
             warn(f"warning: {str(err).splitlines()[0]}; trying the previous checkpoint")
+            if engine is not None:
+                engine.close()
             continue
-        return model.eval(), config
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            raise
+        return model.eval(), config, engine
     raise ValueError(f"no checkpoint of {str(run_dir)!r} has intact expert shards")
 
 

@@ -129,6 +129,8 @@ def summarise(trainer, train_time: float, train_tokens: int, wall: float, last_c
     report = write_report(trainer.run_dir) if trainer.config.train.report else None
     summary["report"] = str(report) if report else None
     summary["sample"] = sample
+    meter = getattr(trainer, "sample_meter", None)
+    summary["sample_stats"] = meter.summary() if meter is not None and sample else None
     atomic_write_json(trainer.run_dir / "summary.json", summary)
     print_summary(trainer, summary)
     return summary
@@ -167,5 +169,7 @@ def print_summary(trainer, s: dict) -> None:
         f"report:       {s['report'] or 'not drawn (train.report false)'}",
     ]
     if s["sample"]:
+        meter = getattr(trainer, "sample_meter", None)
+        lines += [f"sample {line}" for line in (meter.lines() if meter is not None else [])]
         lines.append("sample:\n" + s["sample"])
     print("\n".join(lines), file=trainer.out)

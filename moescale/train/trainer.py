@@ -67,7 +67,8 @@ from moescale.train.limits import check_budget, check_memory, check_run_dir, che
 from moescale.train.metrics import MetricsLog
 from moescale.train.optim import build_optimizer, lr_at, set_lr
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
-from moescale.train.summary import imbalance, postfix_text, summarise
+from moescale.train.gen_stats import GenerationMeter
+from moescale.train.summary import imbalance, peak_rss_bytes, postfix_text, summarise
 from moescale.train.threads import auto_threads, torch_threads
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
@@ -95,7 +96,7 @@ class Trainer:
         check_parts(config)
         check_threads(config.train.threads)     # before a thread or a byte is spent
         check_run_dir(run_dir)
-        self.config = config
+        self.config, self.sample_meter = config, None
         self.run_dir = Path(run_dir)
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
@@ -401,8 +402,11 @@ class Trainer:
                     signal.signal(s, handler)
         if self.stop_requested and last_ckpt is None and self.step > 0:
             last_ckpt = self.save()
+        peak_rss = peak_rss_bytes()       # the sample's meter restarts the peak (gen_stats.py)
         sample = self.sample() if not self.stop_requested else ""   # collective under EP
         memory = self.parts.memory()
+        memory.setdefault("host_peak_rss_bytes", max(
+            peak_rss, self.sample_meter.peak() if self.sample_meter else 0))
         if self.writer:
             self.summary = summarise(self, train_time, train_tokens,
                                      time.perf_counter() - start, last_ckpt, sample, memory)
@@ -423,6 +427,8 @@ class Trainer:
               "MixtralForCausalLM.from_pretrained)", file=self.out)
 
     def sample(self, prompt: str = "def ", temperature: float = 0.8) -> str:
+        """The end-of-run sample (KV-cached; offloaded experts stream per token); its
+        figures (gen_stats.py) are kept in self.sample_meter for the summary."""
         n = self.config.train.sample_tokens
         if n == 0:
             return ""
@@ -430,9 +436,12 @@ class Trainer:
         tok = self.data.tokenizer       # None: a .bin of ids with no tokenizer to decode them
         ids = (tok.encode(prompt) if tok else []) or [int(self.data.val[0])]
         idx_1S = torch.tensor([ids], dtype=torch.int64, device=self.device)
+        self.sample_meter = GenerationMeter(self.model, getattr(self.parts.residency, "engine",
+                                                                None))
         with self._autocast():
             out = self.model.generate(idx_1S, n, temperature=temperature, top_k=40,
-                                      generator=gen)[0].tolist()
+                                      generator=gen, on_token=self.sample_meter.on_token
+                                      )[0].tolist()
         if tok:     # a padded vocabulary's extra ids decode to nothing
             return tok.decode([i for i in out if i < tok.vocab_size])
         return " ".join(map(str, out))
