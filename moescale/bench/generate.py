@@ -105,7 +105,7 @@ def _random_model(args, memory: int, directory: str):
     plan = memory_plan(model, memory, batch=1)
     engine = offload_moe(model, OffloadConfig(
         tier="disk", directory=directory, device="cpu", device_budget_experts=DEVICE_EXPERTS,
-        host_cache_bytes=plan.cached_experts * 4 * plan.master_bytes),
+        host_cache_bytes=plan.cached_experts * plan.record_bytes),
         expert_init=model.expert_init)
     return model.eval(), engine, plan
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from moescale.bench.disk_probe import ProcessIO, peak_rss_bytes, reset_peak_rss
 from moescale.layers.moe import MoE
 from moescale.offload.planner import fmt_bytes
+from moescale.offload.records import POS_MASTER
 
 
 @dataclass
@@ -63,8 +64,8 @@ class GenerationMeter:
         self.moes = [m for m in model.modules() if isinstance(m, MoE)]
         self.store = getattr(engine, "store", None)     # an OffloadEngine's ExpertStore
         disk = getattr(self.store, "disk", None)
-        self.master_bytes = max(disk.stride(layer) for layer in range(len(disk.numels))) \
-            if disk is not None and disk.numels else 0
+        self.master_bytes = max(geo.strides[POS_MASTER] for geo in disk.geometries) \
+            if disk is not None and disk.numels else 0      # a master row, in its format
         self.phases = {"prefill": Phase(), "decode": Phase()}
         self.start()
 

@@ -45,9 +45,9 @@ import torch
 
 from moescale.layers.moe import MoE
 from moescale.offload import OffloadConfig, offload_moe
-from moescale.offload.direct_io import align_up
 from moescale.offload.planner import fmt_bytes
-from moescale.offload.records import M
+from moescale.offload.records import POS_MASTER, M
+from moescale.offload.state_format import RecordGeometry, StateFormat
 from moescale.shared_store.node_store import owner_alive
 from moescale.train.load_run import load_run_offloaded, run_config
 
@@ -64,7 +64,8 @@ class MemoryPlan:
     kv_cache: int
     device_copies: int
     host_cache: int          # masters the disk tier's cache holds, times their bytes
-    master_bytes: int        # one expert's master row on disk (aligned)
+    master_bytes: int        # one expert's master row on disk (aligned, in the run's format)
+    record_bytes: int        # one expert's whole record (a host-cache slot holds one)
 
     @property
     def cached_experts(self) -> int:
@@ -140,15 +141,18 @@ def resolve_experts(experts: str, memory: int | None, run_tier: str) -> str:
     return "resident" if run_tier == "device-only" else "host"
 
 
-def memory_plan(model, memory: int, batch: int) -> MemoryPlan:
-    """Split `memory` for a meta-device model (before its experts are offloaded)."""
+def memory_plan(model, memory: int, batch: int, state: StateFormat = StateFormat()
+                ) -> MemoryPlan:
+    """Split `memory` for a meta-device model (before its experts are offloaded) whose store
+    keeps masters in `state`'s format."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     expert_ids = {id(p) for m in moes for p in m.experts.parameters()}
     dense = 4 * sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
     cfg = model.config
     kv = 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.seq_len * cfg.head_dim * 4
     numel = max(sum(p.numel() for p in m.experts.parameters()) // m.num_experts for m in moes)
-    master = align_up(4 * numel)
+    geo = RecordGeometry(state, numel)
+    master = geo.strides[POS_MASTER]
     device = int(DEVICE_EXPERTS * 4 * numel)
     left = memory - dense - kv - device
     if left < 2 * master:
@@ -159,7 +163,8 @@ def memory_plan(model, memory: int, batch: int) -> MemoryPlan:
                          f"{fmt_bytes(master)} need {need} bytes ({fmt_bytes(need)}); raise "
                          "--memory")
     return MemoryPlan(dense=dense, kv_cache=kv, device_copies=device,
-                      host_cache=left // master * master, master_bytes=master)
+                      host_cache=left // master * master, master_bytes=master,
+                      record_bytes=geo.total)
 
 
 def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None = None,
@@ -182,9 +187,11 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
 
     def offload(model):
         directory = None
-        changes = {}
+        state_format = config.offload.state      # the run's record format: masters as trained
+        changes = dict(master=state_format.master, moments=state_format.moments)
         if kind == "disk":
-            plan = memory_plan(model, memory, batch) if memory is not None else None
+            plan = memory_plan(model, memory, batch, state_format) if memory is not None \
+                else None
             state["plan"] = plan
             if state.get("directory") is None:
                 remove_stale_stores(run_dir)
@@ -197,8 +204,7 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
                                      "directory (its checkpoint's records are linked there)")
             directory = str(state["directory"])
             if plan is not None:     # slots hold whole records; generation touches masters
-                per_slot = 4 * plan.master_bytes
-                changes["host_cache_bytes"] = plan.cached_experts * per_slot
+                changes["host_cache_bytes"] = plan.cached_experts * plan.record_bytes
         oc = OffloadConfig(tier=kind, directory=directory, device=device.type,
                            device_budget_experts=DEVICE_EXPERTS, compute_dtype="float32",
                            **changes)
