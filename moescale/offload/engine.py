@@ -376,6 +376,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
             moe.experts = offloaded
         else:
             shard.local = offloaded
+            engine.store.first_expert[offloaded.layer_index] = shard.expert_ids.start
     engine.finish_setup()
     engine.moved.watch_optimizer_steps()
     return engine

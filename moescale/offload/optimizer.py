@@ -203,7 +203,9 @@ class HostOptimizer:
         exp_avg_P = codec.decode_moment(rec.exp_avg_P, numel, True, "m")
         exp_avg_sq_P = codec.decode_moment(rec.exp_avg_sq_P, numel, False, "v")
         self._adamw([master_P], [rec.grad_P], [exp_avg_P], [exp_avg_sq_P], [rec.step_t], hp)
-        codec.encode_master(master_P, rec.master_P, (*rec.key, int(rec.step_t)))
+        layer, e = rec.key      # keyed by the global expert: any rank count rounds alike
+        codec.encode_master(master_P, rec.master_P,
+                            (layer, self.store.first_expert[layer] + e, int(rec.step_t)))
         codec.encode_moment(exp_avg_P, rec.exp_avg_P, True)
         codec.encode_moment(exp_avg_sq_P, rec.exp_avg_sq_P, False)
 

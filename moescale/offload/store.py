@@ -185,6 +185,8 @@ class ExpertStore:
         self.format = config.state
         self.layouts: list[ExpertLayout] = []
         self.num_experts: list[int] = []
+        self.first_expert: list[int] = []   # per layer: the global id of store expert 0 (an
+                                            # expert-parallel shard's start; keys rounding)
         self._host: list[torch.Tensor] = []            # host tier: [E, 4, P] per layer
         self._steps: dict[Key, torch.Tensor] = {}
         self._host_steps: list[torch.Tensor] = []     # [E] step counts per layer
@@ -332,6 +334,7 @@ class ExpertStore:
         layer = len(self.layouts)
         self.layouts.append(layout)
         self.num_experts.append(steps_E.numel())
+        self.first_expert.append(0)
         if data_E4P is not None:
             self._host.append(data_E4P)
         self._host_steps.append(steps_E)

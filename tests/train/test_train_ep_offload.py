@@ -131,3 +131,19 @@ def test_replicated_offloaded_shards_are_refused(corpus, tmp_path):
     with pytest.raises(RuntimeError, match="not replicated over data-parallel ranks; set "
                                            "parallel.ep_size 2"):
         train_distributed(config, run_dir, 2, quiet=True, deadline_s=50)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compact_state_on_two_ranks_trains_like_one_process(corpus, tmp_path):
+    """bf16 masters and int8 moments in each rank's own store: the stochastic rounding is
+    keyed by the global expert, so 2 expert-parallel ranks train like one process with the
+    same format (reduction order aside)."""
+    options = {"train.steps": "8", "train.checkpoint_interval": "0", "train.eval_interval": "0",
+               "offload.mode": "host", "offload.master": "bf16", "offload.moments": "int8"}
+    one = tmp_path / "one"
+    assert Trainer(_config(corpus, one, **options, **{"offload.device_budget_experts": "2"}),
+                   one, out=open(os.devnull, "w")).run() == 0
+    run_dir = tmp_path / "two"
+    _distributed(_config(corpus, run_dir, **EP_OFFLOAD, **options), run_dir)
+    _assert_same(_records(run_dir), _records(one), rel=1e-4)
