@@ -227,19 +227,28 @@ def moefied_to_mixtral(model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]
     return config, out
 
 
+def write_model_files(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors into an existing (staging) directory."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+              str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def mixtral_config(config: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """The config.json dict of a Mixtral directory (architecture, dtype and flags added)."""
+    dtype = next(iter(tensors.values())).dtype
+    return dict(config, architectures=["MixtralForCausalLM"], model_type="mixtral",
+                dtype=str(dtype).removeprefix("torch."), output_router_logits=False,
+                use_cache=True)
+
+
 def write_mixtral(out_dir: str | os.PathLike, config: dict,
                   tensors: dict[str, torch.Tensor]) -> Path:
     """config.json + model.safetensors in a new directory, published by one rename."""
-    from safetensors.torch import save_file
-
-    dtype = next(iter(tensors.values())).dtype
-    full = dict(config, architectures=["MixtralForCausalLM"], model_type="mixtral",
-                dtype=str(dtype).removeprefix("torch."), output_router_logits=False,
-                use_cache=True)
     with new_directory(out_dir) as tmp:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-                  str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+        write_model_files(tmp, mixtral_config(config, tensors), tensors)
     return Path(out_dir)
 
 

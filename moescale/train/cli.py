@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(config_file, overrides, base=base)
     if resume is None:
         run_dir = Path(config.train.run_dir) if config.train.run_dir else new_run_dir()
+    else:     # a moved run: its copy of a tokenizer whose original is gone
+        from moescale.train.tokenizer import run_tokenizer_path
+
+        config.data.tokenizer = run_tokenizer_path(config.data.tokenizer, run_dir)
     from moescale.train.guard import TrainingDiverged
     from moescale.train.trainer import Trainer
 

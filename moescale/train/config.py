@@ -142,6 +142,8 @@ class DataSection:
 
     path: str = ""              # '' | text file | directory | saved HF dataset | token .bin;
                                 # comma-separated list ok
+    val_path: str = ""          # validation data, any kind data.path takes ('' -> nanoGPT's
+                                # val.bin beside train.bin, else held out of data.path)
     cache_dir: str = ""         # '' -> ~/.cache/moescale (tokenized corpora, joined .bin files)
     val_fraction: float = 0.05  # share of files (or of the tail of one file) held out
     tokenizer: str = ""         # '' -> bytes; a tokenizer.json, or a directory with it or with

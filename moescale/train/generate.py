@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     check_threads(args.threads, "--threads")
     torch.set_num_threads(args.threads or auto_threads()[0])
     model, config = load_run(args.run_dir, step=args.step, device=resolve_device(args.device))
-    text = continuation(model, run_tokenizer(config), args.prompt, args.tokens,
+    text = continuation(model, run_tokenizer(config, args.run_dir), args.prompt, args.tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                         byte_ids=byte_text(config))
     print(text)

@@ -18,8 +18,9 @@ an error.
 The model is built on the meta device and filled from the checkpoint, so nothing is
 initialised twice and no expert exists twice in memory.
 
-`run_tokenizer(config)` is the run's text codec: `data.tokenizer` when the run recorded one
-(moescale.train.tokenizer), else None (byte-level ids).
+`run_tokenizer(config, run_dir)` is the run's text codec: `data.tokenizer` when the run recorded
+one (or the run's copy of it, RUN_DIR/tokenizer/, once the original is gone;
+moescale.train.tokenizer), else None (byte-level ids).
 """
 
 from __future__ import annotations
@@ -103,11 +104,10 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.d
     raise ValueError(f"no checkpoint of {str(run_dir)!r} has intact expert shards")
 
 
-def run_tokenizer(config: RunConfig):
-    """The run's tokenizer (`data.tokenizer`), or None for byte-level ids."""
-    path = getattr(config.data, "tokenizer", "") or ""
-    if not path:
-        return None
-    from moescale.train.tokenizer import load_tokenizer
+def run_tokenizer(config: RunConfig, run_dir: str | Path | None = None):
+    """The run's tokenizer (`data.tokenizer`, or the run's copy of it in RUN_DIR/tokenizer/
+    once the original is gone), or None for byte-level ids."""
+    from moescale.train.tokenizer import load_tokenizer, run_tokenizer_path
 
-    return load_tokenizer(path)
+    path = run_tokenizer_path(getattr(config.data, "tokenizer", "") or "", run_dir)
+    return load_tokenizer(path) if path else None

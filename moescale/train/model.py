@@ -21,9 +21,9 @@ experts built on the meta device (disk tier) are read one at a time through the 
 `expert_init` as offload_moe writes them to their files, so no layer's experts are all in
 memory. Expert-parallel ranks load the whole model, then keep their shard (the exchange).
 
-At the end of a finished run rank 0 writes the trained model to RUN_DIR/hf (`export_run`:
-load_run + export_mixtral, so every residency and rank count exports the same way), replacing
-an earlier export of the same run. The run directory keeps a copy of the source config.json
+At the end of a finished run rank 0 writes the trained model to RUN_DIR/hf (hf_export.py:
+load_run + export, so every residency and rank count exports the same way), replacing an
+earlier export of the same run. The run directory keeps a copy of the source config.json
 (RUN_DIR/hf_config.json), used when DIR is gone later (--resume, load_run). When DIR holds a
 tokenizer and data.tokenizer is unset, the run uses DIR's tokenizer (`adopt_tokenizer`).
 """
@@ -32,24 +32,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from moescale.models import gpt_config
 from moescale.models.gpt import GPT, GPTConfig
-from moescale.models.mixtral import (check_gpt, export_mixtral, gpt_config_of_mixtral,
+from moescale.models.mixtral import (check_gpt, gpt_config_of_mixtral,
                                      mixtral_expert, mixtral_state, open_mixtral)
 from moescale.train.config import RunConfig
+from moescale.train.data import meta_tokenizer
 
 SUPPORTED = ("mixtral",)
 NO_GPT = {"qwen2_moe": "shared experts", "qwen3_moe": "q/k norms",
           "olmoe": "q/k norms or top-k weights left unnormalised"}
 CONFIG_COPY = "hf_config.json"
-EXPORT_DIR = "hf"
 _TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 
 
@@ -155,8 +152,13 @@ def _flat(values: dict, layout) -> torch.Tensor:
 
 
 def adopt_tokenizer(config: RunConfig, err) -> None:
-    """Set data.tokenizer to model.hf's directory when it holds a tokenizer and data.tokenizer
-    is unset (noted on `err`); the run's config.toml records it."""
+    """Set data.tokenizer to model.hf's directory when it holds a tokenizer, or to nanoGPT's
+    meta.pkl beside data.path's train.bin / val.bin, when data.tokenizer is unset (noted on
+    `err`); the run's config.toml records it."""
+    meta = meta_tokenizer(config.data)
+    if meta is not None and config.model.hf is None:
+        config.data.tokenizer = meta
+        print(f"data.tokenizer: nanoGPT's character table ({meta})", file=err)
     hf = config.model.hf
     if hf is None or config.data.tokenizer:
         return
@@ -171,23 +173,3 @@ def write_config_copy(run_dir: str | Path, config: RunConfig) -> None:
 
     hf = hf_config_json(config, run_dir)
     atomic_write_json(Path(run_dir) / CONFIG_COPY, hf, indent=2)
-
-
-def export_run(run_dir: str | Path) -> Path:
-    """The run's newest checkpoint as a Mixtral directory RUN_DIR/hf (an earlier one replaced:
-    the new export is complete before the old one is removed)."""
-    from moescale.train.load_run import load_run
-
-    run_dir = Path(run_dir)
-    model, _ = load_run(run_dir)
-    final = run_dir / EXPORT_DIR
-    staged = Path(tempfile.mkdtemp(prefix=".hf-export.", dir=run_dir)) / EXPORT_DIR
-    try:
-        export_mixtral(model, staged)
-        if final.exists():
-            old = staged.parent / "old"
-            os.replace(final, old)
-        os.replace(staged, final)
-    finally:
-        shutil.rmtree(staged.parent, ignore_errors=True)
-    return final

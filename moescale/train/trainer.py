@@ -69,6 +69,7 @@ from moescale.train.optim import build_optimizer, lr_at, set_lr
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.summary import imbalance, postfix_text, summarise
 from moescale.train.threads import auto_threads, torch_threads
+from moescale.train.tokenizer import keep_copy
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
 
@@ -173,8 +174,9 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------
     def _write_config(self) -> None:
         """config.toml: the run's options with the model's resolved shape (each model option
-        the size left unset, as the built model has it) and the run directory; the run's own
-        config object is left as given."""
+        the size left unset, as the built model has it), train.run_dir left '' (resume names
+        the directory; --config this file starts a new one); the run's own config object is
+        left as given. A file-based tokenizer is copied into RUN_DIR/tokenizer/."""
         tree = to_dict(self.config)
         mc = self.model.config
         if self.config.model.hf is None:     # else: the shape is model.hf's (a copy here)
@@ -182,7 +184,8 @@ class Trainer:
                                   ModelSection.shape_fields() if getattr(mc, name) is not None})
         else:
             run_model.write_config_copy(self.run_dir, self.config)
-        tree["train"]["run_dir"] = str(self.run_dir)
+        tree["train"]["run_dir"] = ""     # --config this file: a new run in a new directory
+        keep_copy(self.data.tokenizer, self.run_dir)      # RUN_DIR/tokenizer/: movable runs
         text = "# resolved configuration of this run (moescale train --config this file)\n"
         text += tomli_w.dumps(tree)
         atomic_write_text(self.run_dir / "config.toml", text)
@@ -406,7 +409,7 @@ class Trainer:
         if self.writer:
             self.summary = summarise(self, train_time, train_tokens,
                                      time.perf_counter() - start, last_ckpt, sample, memory)
-            if self.config.model.hf is not None and self.step == tc.steps:
+            if self.step == tc.steps:
                 self._export_hf()     # after the summary: its peak memory is training's
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
@@ -416,11 +419,21 @@ class Trainer:
 
     # -- end of run ----------------------------------------------------------------------
     def _export_hf(self) -> None:
-        """model.hf runs: the final checkpoint in HF format, RUN_DIR/hf, noted in summary.json."""
-        self.summary["hf_export"] = str(run_model.export_run(self.run_dir))
+        """A finished run's final checkpoint as a transformers directory, RUN_DIR/hf (model,
+        tokenizer, generation config: hf_export.py), noted in summary.json; skipped with a note
+        when transformers is not installed."""
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("hf export:    skipped (pip install transformers; later: moescale export "
+                  f"{self.run_dir} OUT)", file=self.out)
+            return
+        from moescale.train.hf_export import refresh_run_export
+
+        path, how = refresh_run_export(self.run_dir)
+        self.summary["hf_export"] = str(path)
         atomic_write_json(self.run_dir / "summary.json", self.summary)
-        print(f"hf export:    {self.summary['hf_export']} (transformers: "
-              "MixtralForCausalLM.from_pretrained)", file=self.out)
+        print(f"hf export:    {path} ({how})", file=self.out)
 
     def sample(self, prompt: str = "def ", temperature: float = 0.8) -> str:
         n = self.config.train.sample_tokens
