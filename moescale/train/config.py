@@ -57,8 +57,9 @@ def _need(cond: bool, option: str, value, fix: str) -> None:
 
 
 # The model options that may be given with model.hf: they change training, not the Mixtral
-# the run exports (top_k >= 2 is checked against the directory's config.json at start).
-HF_TUNABLE = ("top_k", "aux_loss_coef", "z_loss_coef", "dropout")
+# the run exports (top_k >= 2 is checked against the directory's config.json at start);
+# num_experts sets the expert count of an upcycled dense model (a Mixtral's must match).
+HF_TUNABLE = ("num_experts", "top_k", "aux_loss_coef", "z_loss_coef", "dropout")
 
 
 @dataclass(kw_only=True)

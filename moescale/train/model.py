@@ -40,10 +40,13 @@ from moescale.models import gpt_config
 from moescale.models.gpt import GPT, GPTConfig
 from moescale.models.mixtral import (check_gpt, gpt_config_of_mixtral,
                                      mixtral_expert, mixtral_state, open_mixtral)
+from moescale.models.upcycle_hf import (DENSE_FAMILIES, dense_expert, dense_state,
+                                        gpt_config_of_dense)
 from moescale.train.config import RunConfig
 from moescale.train.data import meta_tokenizer
 
-SUPPORTED = ("mixtral",)
+SUPPORTED = ("mixtral",) + DENSE_FAMILIES
+UPCYCLE_DEFAULTS = {"num_experts": 8, "top_k": 2}    # a dense source's MoE shape, unless given
 NO_GPT = {"qwen2_moe": "shared experts", "qwen3_moe": "q/k norms",
           "olmoe": "q/k norms or top-k weights left unnormalised"}
 CONFIG_COPY = "hf_config.json"
@@ -77,9 +80,10 @@ def hf_config_json(config: RunConfig, run_dir: str | Path | None = None) -> dict
     if kind not in SUPPORTED:
         why = f" (a moescale GPT has no {NO_GPT[kind]})" if kind in NO_GPT else ""
         raise ValueError(f"model.hf={str(src)!r} holds model_type={kind!r}{why}; --model.hf "
-                         f"trains {', '.join(SUPPORTED)}; fine-tune "
-                         "qwen2_moe / qwen3_moe / olmoe with transformers and "
-                         "moescale.models.from_hf (docs/models.md), or give a Mixtral directory")
+                         f"trains {', '.join(SUPPORTED)} (dense ones upcycled to an MoE); "
+                         "fine-tune qwen2_moe / qwen3_moe / olmoe with transformers and "
+                         "moescale.models.from_hf, and upcycle other dense models (GPT-2, "
+                         "BERT) with moescale.moefy in Python (docs/models.md)")
     return hf
 
 
@@ -94,9 +98,18 @@ def model_config(config: RunConfig, vocab_size: int, run_dir: str | Path | None 
         except ValueError as err:
             raise ValueError(f"model: {err}") from None
     try:
-        cfg = gpt_config_of_mixtral(hf_config_json(config, run_dir))
-        cfg = dataclasses.replace(cfg, **mc.overrides())     # HF_TUNABLE only (config.py)
-        check_gpt(cfg)
+        hf = hf_config_json(config, run_dir)
+        if hf["model_type"] in DENSE_FAMILIES:     # upcycled: the MoE shape is ours to pick
+            given = {**UPCYCLE_DEFAULTS, **mc.overrides()}
+            cfg = gpt_config_of_dense(hf, given["num_experts"], given["top_k"])
+            cfg = dataclasses.replace(cfg, **mc.overrides())
+        else:
+            cfg = gpt_config_of_mixtral(hf)
+            if mc.num_experts not in (None, cfg.num_experts):
+                raise ValueError(f"num_experts={mc.num_experts}, but the checkpoint has "
+                                 f"{cfg.num_experts} experts per layer; drop --model.num_experts")
+            cfg = dataclasses.replace(cfg, **mc.overrides())     # HF_TUNABLE only (config.py)
+            check_gpt(cfg)
     except ValueError as err:
         raise ValueError(f"model.hf={mc.hf!r}: {err}") from None
     if vocab_size > cfg.vocab_size:
@@ -128,23 +141,29 @@ def load_hf_weights(model: GPT, config: RunConfig) -> str:
     hf = config.model.hf
     if not weight_files(hf):
         return f"model.hf {hf}: config only, random initialisation"
-    _, tensors = open_mixtral(hf)
+    hf_json, tensors = open_mixtral(hf, model_types=SUPPORTED)
     cfg = model.config
     meta = any(p.is_meta for p in model.parameters())     # disk tier: experts go to files
-    state = mixtral_state(tensors, cfg, hf, experts=not meta)
+    dense = hf_json["model_type"] in DENSE_FAMILIES
+    state = (dense_state if dense else mixtral_state)(tensors, cfg, hf, experts=not meta)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if dense:       # upcycled: the routers keep their random init
+        missing = [k for k in missing if not k.endswith(".ffn.router.weight")]
     if meta:
         missing = [k for k in missing if ".ffn.experts." not in k]
 
         def expert_init(layer: int, e: int, layout):
-            values = mixtral_expert(tensors, layer, e, cfg.d_ff)
+            values = dense_expert(tensors, layer) if dense else \
+                mixtral_expert(tensors, layer, e, cfg.d_ff)
             return _flat(values, layout)
 
         model.expert_init = expert_init      # offload_moe's initial values: the checkpoint's
     if missing or unexpected:     # pragma: no cover - mixtral_state names a missing tensor
         raise ValueError(f"model.hf={hf!r} does not fill the model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    return f"model.hf {hf}: weights loaded ({len(weight_files(hf))} safetensors file(s))"
+    how = f"upcycled: every expert a copy of the dense MLP, {cfg.num_experts} experts top-" \
+        f"{cfg.top_k}" if dense else "weights loaded"
+    return f"model.hf {hf}: {how} ({len(weight_files(hf))} safetensors file(s))"
 
 
 def _flat(values: dict, layout) -> torch.Tensor:

@@ -147,7 +147,7 @@ class CharTokenizer:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
         tok = Tokenizer(models.WordLevel(vocab=self.stoi, unk_token=None))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?s)."), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
         return tok
 
