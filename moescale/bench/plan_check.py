@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from moescale.bench.disk_probe import cpu_flags
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import COMMITTED, hardware_tag, result_path, write_json
 from moescale.bench.offload import MoEStack, training_step
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.planner import Budgets, ModelSpec, disk_traffic, estimate
@@ -177,25 +177,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-runs", type=int, default=5, help="timed rounds per disk-tier "
                    "configuration (each also moves 2 GiB for the disk probe)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated configurations to predict and measure")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary "
                    "directory under /var/tmp)")
-    p.add_argument("--host-cache-gb", type=float, default=1.0)
+    p.add_argument("--host-cache-gb", type=float, default=1.0,
+                   help="disk tier: host RAM caching expert records, GB")
     p.add_argument("--disk-probe-mb", type=int, default=1024, help="size of the file the "
                    "disk bandwidth is measured on (>= 1024 for a real measurement)")
     p.add_argument("--disk-result", default=None,
                    help="an offload-disk result JSON to compare as the past-RAM row")
     p.add_argument("--previous", default=None, help="a previous plan-check result to compare "
                    "with (default: the output file, if it exists)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: under runs/bench/; a path under "
+                        "benchmarks/results updates the recorded result)")
     return p
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     tag = hardware_tag(torch.device("cpu"))
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"plan_check_{tag}.json"
-    previous = Path(args.previous) if args.previous else out
+    out = result_path(args.out, f"plan_check_{tag}.json")
+    previous = Path(args.previous) if args.previous else COMMITTED / f"plan_check_{tag}.json"
     before = {r["config"]: r for r in json.loads(previous.read_text())["results"]} \
         if previous.exists() else {}
     cache = int(args.host_cache_gb * GIB)
