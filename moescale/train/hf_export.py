@@ -119,3 +119,21 @@ def refresh_run_export(run_dir: str | Path) -> tuple[Path, str]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final, how
+
+
+def end_of_run_export(run_dir: Path, summary: dict, out) -> None:
+    """A finished run's RUN_DIR/hf (refresh_run_export), noted in summary.json and on `out`;
+    skipped with a note when transformers is not installed."""
+    from moescale.atomic import atomic_write_json
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"hf export:    skipped (pip install transformers; later: moescale export "
+              f"{run_dir} OUT)", file=out)
+        return
+    path, how = refresh_run_export(run_dir)
+    summary["hf_export"] = str(path)
+    atomic_write_json(Path(run_dir) / "summary.json", summary)
+    print(f"hf export:    {path} ({how})", file=out)
+

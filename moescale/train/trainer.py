@@ -62,6 +62,7 @@ from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_ch
 from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
+from moescale.train.hf_export import end_of_run_export
 from moescale.train import model as run_model
 from moescale.train.limits import check_budget, check_memory, check_run_dir, check_threads
 from moescale.train.metrics import MetricsLog
@@ -108,6 +109,7 @@ class Trainer:
         if not self.writer:
             self.out = self.err = open(os.devnull, "w")
         self.threads_note = "set by train.threads"
+        self.threads_auto = tc.threads == 0     # config.toml keeps 0; checkpoints the choice
         if tc.threads == 0:
             tc.threads, self.threads_note = auto_threads(self.ranks.world_size)
         with torch_threads(tc.threads):           # building is torch work too (threads.py)
@@ -175,7 +177,8 @@ class Trainer:
     def _write_config(self) -> None:
         """config.toml: the run's options with the model's resolved shape (each model option
         the size left unset, as the built model has it), train.run_dir left '' (resume names
-        the directory; --config this file starts a new one); the run's own config object is
+        the directory; --config this file starts a new one), train.threads 0 when chosen
+        automatically (the checkpoints record the choice for --resume); the config object is
         left as given. A file-based tokenizer is copied into RUN_DIR/tokenizer/."""
         tree = to_dict(self.config)
         mc = self.model.config
@@ -185,6 +188,7 @@ class Trainer:
         else:
             run_model.write_config_copy(self.run_dir, self.config)
         tree["train"]["run_dir"] = ""     # --config this file: a new run in a new directory
+        tree["train"]["threads"] = 0 if self.threads_auto else tree["train"]["threads"]
         keep_copy(self.data.tokenizer, self.run_dir)      # RUN_DIR/tokenizer/: movable runs
         text = "# resolved configuration of this run (moescale train --config this file)\n"
         text += tomli_w.dumps(tree)
@@ -210,6 +214,9 @@ class Trainer:
             reason = str(error).splitlines()[0] if error else "another rank's experts failed"
             warn(f"warning: {reason}; trying the previous checkpoint")
         self.step = int(state["step"])
+        if self.threads_auto:     # the count the run chose (the same floats), not a new choice
+            self.config.train.threads = state["config"]["train"].get("threads") or \
+                self.config.train.threads
         self.batches.load_state(state["data_rng"])
         torch.set_rng_state(tensors["rng.torch"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
@@ -409,8 +416,8 @@ class Trainer:
         if self.writer:
             self.summary = summarise(self, train_time, train_tokens,
                                      time.perf_counter() - start, last_ckpt, sample, memory)
-            if self.step == tc.steps:
-                self._export_hf()     # after the summary: its peak memory is training's
+            if self.step == tc.steps:     # after the summary: its peak memory is training's
+                end_of_run_export(self.run_dir, self.summary, self.out)
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
                   f"continue with: moescale train --resume {self.run_dir}", file=self.out)
@@ -418,23 +425,6 @@ class Trainer:
         return 0
 
     # -- end of run ----------------------------------------------------------------------
-    def _export_hf(self) -> None:
-        """A finished run's final checkpoint as a transformers directory, RUN_DIR/hf (model,
-        tokenizer, generation config: hf_export.py), noted in summary.json; skipped with a note
-        when transformers is not installed."""
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            print("hf export:    skipped (pip install transformers; later: moescale export "
-                  f"{self.run_dir} OUT)", file=self.out)
-            return
-        from moescale.train.hf_export import refresh_run_export
-
-        path, how = refresh_run_export(self.run_dir)
-        self.summary["hf_export"] = str(path)
-        atomic_write_json(self.run_dir / "summary.json", self.summary)
-        print(f"hf export:    {path} ({how})", file=self.out)
-
     def sample(self, prompt: str = "def ", temperature: float = 0.8) -> str:
         n = self.config.train.sample_tokens
         if n == 0:

@@ -92,3 +92,23 @@ def test_a_runs_config_toml_starts_a_new_run(corpus, tmp_path, monkeypatch):
     (second,) = (tmp_path / "runs").iterdir()
     assert (second / "hf" / "config.json").is_file() and (second / "checkpoints").is_dir()
     assert (second / "config.toml").read_text() == (first / "config.toml").read_text()
+
+
+def test_auto_threads_stay_auto_in_config_toml_and_resume_keeps_the_runs_choice(corpus,
+                                                                                tmp_path):
+    from moescale.train.checkpoint import list_checkpoints, load_checkpoint
+    from moescale.train.config import load_config
+    from moescale.train.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    argv = as_argv(dict(TINY, **{"data.path": str(corpus), "train.steps": "2",
+                                 "train.threads": "0", "train.run_dir": str(run_dir)}))
+    assert cli.main(["train", *argv]) == 0
+    assert "threads = 0\n" in (run_dir / "config.toml").read_text()
+    (_, path), = list_checkpoints(run_dir / "checkpoints")
+    chosen = load_checkpoint(path)[1]["config"]["train"]["threads"]
+    assert chosen >= 1
+    config = load_config(run_dir / "config.toml", {"train.steps": "3"})
+    resumed = Trainer(config, run_dir, resume=True)
+    assert resumed.config.train.threads == chosen
+    assert resumed.run() == 0
