@@ -121,16 +121,25 @@ def refresh_run_export(run_dir: str | Path) -> tuple[Path, str]:
     return final, how
 
 
-def end_of_run_export(run_dir: Path, summary: dict, out) -> None:
+def end_of_run_export(run_dir: Path, summary: dict, out, num_params: int) -> None:
     """A finished run's RUN_DIR/hf (refresh_run_export), noted in summary.json and on `out`;
-    skipped with a note when transformers is not installed."""
+    skipped with a note when transformers is not installed, or when the whole model (the
+    export holds it in RAM, fp32, with its copies: 12 bytes per parameter) would not fit the
+    memory available now (an offloaded model larger than RAM)."""
     from moescale.atomic import atomic_write_json
+    from moescale.train.limits import _available_ram
 
+    later = f"later: moescale export {run_dir} OUT"
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print(f"hf export:    skipped (pip install transformers; later: moescale export "
-              f"{run_dir} OUT)", file=out)
+        print(f"hf export:    skipped (pip install transformers; {later})", file=out)
+        return
+    need, free = 12 * num_params, _available_ram()
+    if need > free:
+        print(f"hf export:    skipped (the export holds the whole model in RAM, about "
+              f"{need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB are free; {later} on a "
+              "machine with more memory)", file=out)
         return
     path, how = refresh_run_export(run_dir)
     summary["hf_export"] = str(path)

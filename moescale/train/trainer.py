@@ -417,7 +417,7 @@ class Trainer:
             self.summary = summarise(self, train_time, train_tokens,
                                      time.perf_counter() - start, last_ckpt, sample, memory)
             if self.step == tc.steps:     # after the summary: its peak memory is training's
-                end_of_run_export(self.run_dir, self.summary, self.out)
+                end_of_run_export(self.run_dir, self.summary, self.out, self.params.total)
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
                   f"continue with: moescale train --resume {self.run_dir}", file=self.out)
