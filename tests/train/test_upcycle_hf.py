@@ -2,7 +2,8 @@
 built and saved (tiny, random, nothing downloaded) is upcycled to an MoE (every expert a copy
 of its layer's MLP): at step 0 it computes the dense model's logits; 20 steps from the CLI
 train it, and RUN_DIR/hf reloads in transformers with `load_run`'s logits (Llama as Mixtral,
-Qwen2's q/k/v biases as remote code); the expert count is the run's option; a dense family the
+Qwen2's q/k/v biases as remote code; Mistral with disk-tier experts, each filled from the dense
+MLP one at a time); the expert count is the run's option; a dense family the
 GPT cannot hold is refused naming moefy."""
 
 from __future__ import annotations
@@ -59,11 +60,15 @@ def test_the_upcycled_model_computes_the_dense_models_logits(family, corpus, tmp
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
-@pytest.mark.parametrize("family, fmt", [("llama", "mixtral"), ("qwen2", "moescale_gpt")])
-def test_a_dense_model_upcycles_trains_and_exports_from_the_cli(family, fmt, corpus, tmp_path):
+@pytest.mark.parametrize("family, fmt, tier", [("llama", "mixtral", "device-only"),
+                                               ("qwen2", "moescale_gpt", "device-only"),
+                                               ("mistral", "mixtral", "disk")])
+def test_a_dense_model_upcycles_trains_and_exports_from_the_cli(family, fmt, tier, corpus,
+                                                                tmp_path):
     dense = save_dense(tmp_path / "dense", family)
     run_dir = tmp_path / "run"
-    argv = options(corpus, run_dir, tmp_path / "dense", 20, **{"model.num_experts": "4"})
+    argv = options(corpus, run_dir, tmp_path / "dense", 20, **{"model.num_experts": "4",
+                                                               "offload.tier": tier})
     assert cli.main(["train", *argv]) == 0
     config = json.loads((run_dir / "hf" / "config.json").read_text())
     assert config["model_type"] == fmt and config.get("num_local_experts", 4) == 4
