@@ -1,6 +1,8 @@
 """A plain model back from an offloaded one (moescale.models.resident): after the same AdamW
-steps, an offloaded GPT's `consolidated_state_dict` and, after `resident_model`, its own
-`state_dict()` equal the all-resident model's (host and disk tier, GELU and GLU experts); the
+steps, an offloaded GPT's `consolidated_state_dict` equals the all-resident model's state dict
+up to float rounding (the same updates summed in another order: within 1e-4; measured 2e-6 on
+the host tier, 1e-5 on the disk tier with GLU experts); after `resident_model` its own
+`state_dict()` is exactly that full state dict (host and disk tier, GELU and GLU experts); the
 restored model computes the resident logits, round-trips through torch.save and is an ordinary
 module (no engine, no warning). Before that, `state_dict()` of the offloaded model warns,
 naming both calls, instead of silently leaving the experts out; moescale's own savers do not
@@ -54,21 +56,21 @@ def test_resident_model_gives_back_the_resident_state_after_the_same_steps(tier,
     assert not any(k.endswith("_EDF") for k in partial)
     full = consolidated_state_dict(model)
     assert full.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(full[key], want[key], msg=key)
+    for key in want:     # the same steps, summed in another order: float rounding apart
+        torch.testing.assert_close(full[key], want[key], rtol=1e-4, atol=1e-4, msg=key)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")        # moescale's savers read the dense half quietly
         save_checkpoint(tmp_path / "ckpt.safetensors", model)
         assert resident_model(model) is model
         state = model.state_dict()            # an ordinary module now: no warning
-    for key in want:
-        torch.testing.assert_close(state[key], want[key], msg=key)
+    assert state.keys() == full.keys()
+    assert all(torch.equal(state[key], full[key]) for key in full)    # exactly the store's
     torch.save(state, tmp_path / "plain.pt")
     loaded = make_model(glu=glu)
     loaded.load_state_dict(torch.load(tmp_path / "plain.pt"))
     idx, tgt = next(batches(99, 1))
     with torch.no_grad():
         resident_logits = resident(idx, tgt)[0]
-        torch.testing.assert_close(model(idx, tgt)[0], resident_logits)
-        torch.testing.assert_close(loaded(idx, tgt)[0], resident_logits)
+        torch.testing.assert_close(model(idx, tgt)[0], resident_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(loaded(idx, tgt)[0], model(idx, tgt)[0])
