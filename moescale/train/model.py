@@ -184,6 +184,10 @@ def adopt_tokenizer(config: RunConfig, err) -> None:
     if any(all((Path(hf) / f).is_file() for f in files) for files in _TOKENIZER_FILES):
         config.data.tokenizer = hf
         print(f"data.tokenizer: model.hf's own tokenizer ({hf})", file=err)
+    else:
+        print(f"data.tokenizer: model.hf ({hf}) holds no tokenizer (tokenizer.json or vocab.json "
+              "+ merges.txt) and --data.tokenizer is unset: training on UTF-8 byte ids 0-255; "
+              "give --data.tokenizer for the model's own vocabulary", file=err)
 
 
 def write_config_copy(run_dir: str | Path, config: RunConfig) -> None:

@@ -64,12 +64,13 @@ def test_the_upcycled_model_computes_the_dense_models_logits(family, corpus, tmp
                                                ("qwen2", "moescale_gpt", "device-only"),
                                                ("mistral", "mixtral", "disk")])
 def test_a_dense_model_upcycles_trains_and_exports_from_the_cli(family, fmt, tier, corpus,
-                                                                tmp_path):
+                                                                tmp_path, capsys):
     dense = save_dense(tmp_path / "dense", family)
     run_dir = tmp_path / "run"
     argv = options(corpus, run_dir, tmp_path / "dense", 20, **{"model.num_experts": "4",
                                                                "offload.tier": tier})
     assert cli.main(["train", *argv]) == 0
+    assert "holds no tokenizer" in capsys.readouterr().err     # bytes, said, not silent
     config = json.loads((run_dir / "hf" / "config.json").read_text())
     assert config["model_type"] == fmt and config.get("num_local_experts", 4) == 4
     hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf",
