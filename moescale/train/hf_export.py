@@ -1,6 +1,6 @@
 """A run's model, tokenizer and sampling settings as one directory transformers loads.
 
-    export_run("runs/20261201-223000", "exported")          # -> (Path, "mixtral" | "moescale")
+    export_run("runs/20261201-223000", "exported")    # -> (Path, a one-line description)
     model = AutoModelForCausalLM.from_pretrained("exported", trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained("exported", trust_remote_code=True)
 

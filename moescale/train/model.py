@@ -1,23 +1,28 @@
-"""The run's model: a named size with overrides, or `--model.hf DIR` (a Hugging Face MoE directory).
+"""The run's model: a named size with overrides, or `--model.hf DIR` (a Hugging Face directory).
 
 `model_config(config, vocab_size)` is the one place a run's GPTConfig is resolved (the trainer,
 the memory check, the exchange's expert count and `load_run` all ask it). Without `model.hf` it
-is `gpt_config(model.size, vocab, train.seq_len, **overrides)`. With `model.hf = DIR` it is the
-GPT computing what DIR/config.json's Mixtral computes (models/mixtral.py
+is `gpt_config(model.size, vocab, train.seq_len, **overrides)`. With `model.hf = DIR` holding a
+Mixtral it is the GPT computing what DIR/config.json's Mixtral computes (models/mixtral.py
 `gpt_config_of_mixtral`: vocabulary, max_position_embeddings as seq_len, rope theta, norm eps,
 tied or untied embeddings), with the HF_TUNABLE options (top_k, aux/z loss coefficients,
-dropout) applied; shape options given with model.hf are refused by the config itself. It is
-refused when the data's vocabulary is larger than the model's, when train.seq_len exceeds
-max_position_embeddings, or when the result could not be exported as Mixtral (top_k 1).
+dropout; num_experts only as the checkpoint's) applied, refused when the result could not be
+exported as Mixtral (top_k 1). With DIR holding a dense Llama / Mistral / Qwen2 it is the
+upcycled MoE of models/upcycle_hf.py: the dense config's shape with SwiGLU experts,
+model.num_experts (8 unless given) and top_k (2). Shape options given with model.hf are refused
+by the config itself. Both are refused when the data's vocabulary is larger than the model's
+or train.seq_len exceeds max_position_embeddings.
 
-Only Mixtral maps onto a moescale GPT (same attention, norms, rotary; moescale's topk router is
-Mixtral's softmax -> top-k -> renormalise). Qwen2-MoE and Qwen3-MoE have shared experts (and
-Qwen3 q/k norms), OLMoE q/k norms: a GPT cannot hold them, and they are refused naming
-moescale.models.from_hf, which fine-tunes them in a transformers loop.
+Mixtral and the dense Llama family map onto a moescale GPT (same attention, norms, rotary;
+moescale's topk router is Mixtral's softmax -> top-k -> renormalise). Qwen2-MoE and Qwen3-MoE
+have shared experts (and Qwen3 q/k norms), OLMoE q/k norms: a GPT cannot hold them, and they
+are refused naming moescale.models.from_hf, which fine-tunes them in a transformers loop;
+GPT-2 and BERT are refused naming moescale.moefy.
 
 `load_hf_weights(model, config)` fills the built GPT from DIR's safetensors (a config-only
-directory leaves the random init: training from scratch). Dense weights are loaded at once;
-experts built on the meta device (disk tier) are read one at a time through the model's
+directory leaves the random init: training from scratch); an upcycled model's experts are
+copies of the dense MLPs and its routers keep their random init. Dense weights are loaded at
+once; experts built on the meta device (disk tier) are read one at a time through the model's
 `expert_init` as offload_moe writes them to their files, so no layer's experts are all in
 memory. Expert-parallel ranks load the whole model, then keep their shard (the exchange).
 
@@ -25,7 +30,8 @@ At the end of a finished run rank 0 writes the trained model to RUN_DIR/hf (hf_e
 load_run + export, so every residency and rank count exports the same way), replacing an
 earlier export of the same run. The run directory keeps a copy of the source config.json
 (RUN_DIR/hf_config.json), used when DIR is gone later (--resume, load_run). When DIR holds a
-tokenizer and data.tokenizer is unset, the run uses DIR's tokenizer (`adopt_tokenizer`).
+tokenizer and data.tokenizer is unset, the run uses DIR's tokenizer (`adopt_tokenizer`; a
+directory without one is said on stderr), as it adopts nanoGPT's meta.pkl character table.
 """
 
 from __future__ import annotations
