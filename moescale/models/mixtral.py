@@ -245,20 +245,15 @@ def mixtral_config(config: dict, tensors: dict[str, torch.Tensor]) -> dict:
                 use_cache=True)
 
 
-def write_mixtral(out_dir: str | os.PathLike, config: dict,
-                  tensors: dict[str, torch.Tensor]) -> Path:
-    """config.json + model.safetensors in a new directory, published by one rename."""
+def export_mixtral(model: nn.Module, out_dir: str | os.PathLike) -> Path:
+    """Write `model` (a moescale GPT or a moefied Llama/Mistral) as a Mixtral checkpoint
+    directory that `transformers.MixtralForCausalLM.from_pretrained` loads (config.json +
+    model.safetensors, published by one rename); returns its path."""
+    convert = gpt_to_mixtral if isinstance(model, GPT) else moefied_to_mixtral
+    config, tensors = convert(model)
     with new_directory(out_dir) as tmp:
         write_model_files(tmp, mixtral_config(config, tensors), tensors)
     return Path(out_dir)
-
-
-def export_mixtral(model: nn.Module, out_dir: str | os.PathLike) -> Path:
-    """Write `model` (a moescale GPT or a moefied Llama/Mistral) as a Mixtral checkpoint
-    directory that `transformers.MixtralForCausalLM.from_pretrained` loads; returns its path."""
-    convert = gpt_to_mixtral if isinstance(model, GPT) else moefied_to_mixtral
-    config, tensors = convert(model)
-    return write_mixtral(out_dir, config, tensors)
 
 
 # -- import ----------------------------------------------------------------------------
