@@ -9,7 +9,7 @@ above the resident set before the call (VmHWM, reset through /proc/self/clear_re
 is never held in memory, so that peak should stay near a few batches (moescale/train/corpus.py:
 BATCH_BYTES of text and its ids), flat in `--mb`.
 
-Writes benchmarks/results/data_tokenize_<hardware>.json (CPU flags, sizes, every number).
+Writes runs/bench/<time>/data_tokenize_<hardware>.json (CPU flags, sizes, every number).
 """
 
 from __future__ import annotations

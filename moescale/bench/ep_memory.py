@@ -33,7 +33,7 @@ most the unpipelined one.
         [--experts 8] [--variants ffn glu] [--chunks 2 4 8] [--strategies none S1 S2 S3 S4]
         [--repeats 3] [--limit 0.6] [--out PATH]
 
-Writes benchmarks/results/ep_memory_<hardware>.json (with the CPU's model and flags).
+Writes runs/bench/<time>/ep_memory_<hardware>.json (with the CPU's model and flags).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import argparse
 import platform
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 

@@ -23,7 +23,7 @@ its first 14 calls, so give --warmup 16 or more); the pick is recorded per rank 
         [--budget 2] [--configs C2-none,C4-none,C2-S2,C4-S4[,C2-none-noreuse]] [--runs 9]
         [--out PATH]
 
-Writes benchmarks/results/ep_offload_<hardware>.json with the CPU flags and the load average
+Writes runs/bench/<time>/ep_offload_<hardware>.json with the CPU flags and the load average
 before and after (other processes on the cores widen the intervals). On CPU ranks the
 exchanges are gloo copies through loopback TCP on the cores that compute, and an "upload" is
 a memory copy: what the pipeline hides here is little; a GPU is the real test.
@@ -35,7 +35,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 

@@ -19,7 +19,7 @@ chunk count of the sweep (target: within 5%, i.e. T_sweep(pick) / T_sweep(best) 
     moescale bench ep-speed [--worlds 2 4] [--tokens 512] [--d-model 128] [--d-ff 512]
         [--experts 8] [--runs 7] [--trials 5] [--out PATH]
 
-Writes benchmarks/results/ep_speed_<hardware>.json. Numbers on a shared CPU are noisy; the
+Writes runs/bench/<time>/ep_speed_<hardware>.json. Numbers on a shared CPU are noisy; the
 file records the configuration and the raw medians. On CPU ranks the "communication" is gloo
 copying through loopback TCP on the same cores that compute, so the overlap efficiency says
 how much the pipeline's extra messages and smaller GEMMs cost there, not what a GPU gains.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 

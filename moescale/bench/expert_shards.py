@@ -22,7 +22,7 @@ store checkpoint with save_records); `load-1` (one process, all experts, a fresh
 load_expert_shards verifies every record by direct I/O and adopts it by hard link) and
 `load-2` (2 ranks, each its own experts).
 
-Writes benchmarks/results/expert_shards_<hardware>.json (CPU model flags, the config, every
+Writes runs/bench/<time>/expert_shards_<hardware>.json (CPU model flags, the config, every
 rank's figures per phase, and the check: peak < share for every rank of save and load).
 Not here: correctness (tests/expert_state), the trainer's commit point.
 """
@@ -34,7 +34,6 @@ import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 

@@ -19,7 +19,7 @@ GELU FFN and SiLU GLU experts. The JSON records the CPU's flags and the GEMM eac
 Rows: routed rows actually computed per step (tokens x k dropless; kept choices under a
 capacity). Peers that would take minutes or tens of GB at full size (bf16 where torch's own
 bf16 GEMM is slow; batched_mm's per-row weight copies) run on fewer tokens and are compared in
-rows/s; the table marks them. Results: a printed table and JSON under benchmarks/results/
+rows/s; the table marks them. Results: a printed table and JSON under runs/bench/<time>/
 with the hardware in the file name.
 
 This file does not tune anything and never changes torch's thread settings.

@@ -18,7 +18,7 @@ For each implementation: the median step time, and the ratio to resident as the 
 of the per-repetition paired ratios with a 95% confidence interval (stats.paired_ratio: the
 t-interval of the log-ratios), the device peak against its budget. Target (issue 3): host tier
 with a 2-expert device budget <= 1.10x resident: passed when the whole interval lies at or
-below 1.10. Writes benchmarks/results/offload_<hardware>.json with the CPU flags. On a CPU
+below 1.10. Writes runs/bench/<time>/offload_<hardware>.json with the CPU flags. On a CPU
 the "device" is simulated: uploads are memory copies on the copy thread, so this measures the
 machinery's overhead (copies, threads, per-expert walks), not PCIe. `--device cuda` runs the
 same on a GPU (CudaDevice, pinned host store), `--dtype bfloat16` under autocast.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-from pathlib import Path
 
 import torch
 from torch import nn

@@ -17,7 +17,7 @@ trained here for a few dozen steps; each layer of each step is one sample). Per 
 - planning time (LPT and LPT + split) for 128 experts on 8 devices, beside the time of sorting
   128 tuples on the same machine (a calibration: this box is shared and loaded).
 
-Writes benchmarks/results/placement_<hardware>.json. Not here: GPUs (no device here), the
+Writes runs/bench/<time>/placement_<hardware>.json. Not here: GPUs (no device here), the
 upload part of the load model (it needs a device cache).
 """
 
@@ -30,7 +30,6 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 

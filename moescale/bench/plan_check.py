@@ -29,7 +29,7 @@ Targets (issue 11): every error within 25%; two runs of the check within 10% of 
 per configuration, (1 + error) within 10% of the previous run's (the previous result file, or
 `--previous`). The changes of the prediction and of the measurement are reported beside;
 they move together when the machine's load or the disk's speed changes. Writes
-benchmarks/results/plan_check_<hardware>.json with the CPU flags.
+runs/bench/<time>/plan_check_<hardware>.json with the CPU flags.
 
 Deliberately not here: GPU configurations (the same code with CUDA rates).
 """

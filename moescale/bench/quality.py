@@ -21,7 +21,7 @@ on a shared machine: the two are trained interleaved, one step of each in turn (
 other processes hits both alike), and each stops once its own measured training time reaches
 the budget; the learning rate warms up over the first steps, then follows a cosine over the
 fraction of the time budget used (the step count is not known in advance). Validation loss is
-measured at the end on the same fixed windows. Writes `benchmarks/results/quality_<hardware>[_<tag>].json`.
+measured at the end on the same fixed windows. Writes `runs/bench/<time>/quality_<hardware>[_<tag>].json`.
 
 FastMoE and ES-MoE both report the MoE winning at equal compute; this measures whether we do,
 at this scale. This file only orchestrates `moescale.train`; it adds no training logic.

@@ -50,7 +50,7 @@ from pathlib import Path
 import tomli_w
 import torch
 
-from moescale.atomic import atomic_write_json, atomic_write_text
+from moescale.atomic import atomic_write_text
 from moescale.layers.moe import MoE
 from moescale.models import GPT
 from moescale.offload.checkpoint import StoreCheckpointError

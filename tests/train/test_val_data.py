@@ -10,7 +10,6 @@ in a new directory."""
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 
