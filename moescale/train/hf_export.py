@@ -87,6 +87,11 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
     from moescale.train.generate import byte_text
     from moescale.train.load_run import load_run, run_tokenizer
 
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("the export writes transformers' tokenizer and generation config: "
+                         "pip install transformers (or pip install moescale[hf])") from None
     model, config = load_run(run_dir, step=step)
     tok = hf_tokenizer(run_tokenizer(config, run_dir), byte_text(config))
     eos_id = tok.eos_token_id if tok is not None else None
