@@ -71,3 +71,11 @@ def test_results_go_under_runs_unless_out_is_given():
     assert default.parts[:2] == ("runs", "bench") and default.name == "layer_cpu.json"
     assert not default.is_relative_to(COMMITTED)
     assert result_path("benchmarks/results/x.json", "x.json") == Path("benchmarks/results/x.json")
+
+
+def test_train_takes_kebab_case_names_too():
+    from moescale.train.cli import parse_args
+
+    _, _, overrides, _ = parse_args(["--model.top-k", "1", "--train.run-dir=x",
+                                     "--model.num_experts", "4"])
+    assert overrides == {"model.top_k": "1", "train.run_dir": "x", "model.num_experts": "4"}
