@@ -11,7 +11,8 @@ Steps: build a tiny random model of the chosen family from its config (byte-leve
 `moescale.offload.offload_moe` moves every expert into a host (or disk) ExpertStore, streamed
 through a device budget of `--device-budget-experts` experts and stepped by the host AdamW;
 training runs on the built-in corpus (the Python standard library's source as bytes) or on
-`--data PATH`; afterwards the experts are copied back out of the store, `to_hf` restores the
+`--data PATH`; afterwards `moescale.models.resident_model` copies the experts back out of the
+store (plain resident modules again), `to_hf` restores the
 model's own block classes, `save_pretrained` writes the checkpoint, and the script reloads it
 with `AutoModelForCausalLM.from_pretrained` and checks that the logits match.
 
@@ -32,8 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moescale.layers.experts import GroupedExperts
-from moescale.layers.moe import MoE, collect_aux_loss
+from moescale.layers.moe import collect_aux_loss
+from moescale.models import resident_model
 from moescale.models.hf import from_hf, to_hf
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.train.config import DataSection
@@ -63,22 +64,6 @@ def tiny_config(family: str):
     if family == "olmoe":
         return transformers.OlmoeConfig(**common, intermediate_size=64, num_experts=8)
     raise ValueError(f"--family={family!r} is unknown; use one of {', '.join(FAMILIES)}")
-
-
-def restore_experts(model: torch.nn.Module, engine) -> None:
-    """Copy the trained fp32 masters out of the ExpertStore into GroupedExperts (in place)."""
-    engine.synchronize()
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        off = moe.experts
-        if isinstance(off, GroupedExperts):
-            continue
-        experts = GroupedExperts(off.num_experts, off.d_model, off.d_ff, activation=off.act.spec,
-                                 glu=off.glu, bias=off.bias)
-        with torch.no_grad():
-            for e in range(off.num_experts):
-                for name, tensor in engine.expert_state(off.layer_index, e).items():
-                    getattr(experts, name)[e].copy_(tensor.reshape(getattr(experts, name)[e].shape))
-        moe.experts = experts
 
 
 def parse(argv):
@@ -147,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(ce.item())
             print(f"step {step:4d}  loss {losses[-1]:.4f}  {time.perf_counter() - start:.2f}s",
                   flush=True)
-        restore_experts(model, engine)
+        resident_model(model)      # the experts back from the store, as plain modules
     finally:
         engine.close()
     if store_dir is not None:   # the experts are back in the model; the store is spent

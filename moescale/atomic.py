@@ -5,8 +5,10 @@ without an exception the file is fsynced, renamed over `final` with `os.replace`
 POSIX and Windows) and the directory is fsynced, so either the old or the new file exists,
 whole. On an exception the temporary file is removed and `final` is untouched; only a kill
 (SIGKILL, power loss) leaves one behind, which `is_temp_name` recognises for a later sweep.
-`new_directory(final)` does the same for a directory of files (exports). This module does not
-decide formats; callers write whatever they like to the temporary path.
+`new_directory(final)` does the same for a directory of files (exports). Published files and
+directories get the modes the user's umask gives new ones (`file_mode`), whatever the temp
+file's or a writer's own mode was. This module does not decide formats; callers write
+whatever they like to the temporary path.
 """
 
 from __future__ import annotations
@@ -48,20 +50,42 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where the OS shows it (Linux's
+    /proc/self/status); elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a plain `open(path, "w")` would give a new file: 0o666 less the umask."""
+    return 0o666 & ~umask()
+
+
 @contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `final`; publish it atomically if the block succeeds.
-    The published file is rw-r--r-- (mkstemp's own 0600 would hide results from other users)."""
+    The published file has the mode the user's umask gives new files (0644 under the usual
+    022; mkstemp's 0600, or that of a writer's own temp file renamed onto the path, would hide
+    results from the rest of a team)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.fchmod(fd, 0o644)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, file_mode())      # after the block: a writer may have replaced the file
         os.replace(tmp, final)
     finally:   # a folder turned read-only keeps it (the next start's sweep removes it); the
         with contextlib.suppress(OSError):   # error that got us here is the one to report
@@ -103,6 +127,8 @@ def new_directory(final: str | os.PathLike) -> Iterator[Path]:
         for name in os.listdir(tmp):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
+            os.chmod(tmp / name, file_mode())
+        os.chmod(tmp, 0o777 & ~umask())      # mkdtemp's 0700 -> what mkdir gives
         if final.exists():
             final.rmdir()
         publish_dir(tmp, final)

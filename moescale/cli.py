@@ -14,7 +14,8 @@ SUBCOMMANDS = {
     "train": ("moescale.train.cli", "train the default MoE GPT (or a configured one)"),
     "bench": ("moescale.bench.cli", "run a benchmark: moescale bench {layer,...}"),
     "generate": ("moescale.train.generate", "continue a prompt with a trained run's model"),
-    "export": ("moescale.train.export", "write a trained run's model as a Mixtral checkpoint"),
+    "export": ("moescale.train.export", "write a trained run as a directory transformers loads "
+                                        "(model, tokenizer, generation config)"),
     "plan": ("moescale.offload.plan_cli", "choose an offloading mode from memory budgets"),
     "info": ("moescale.info", "versions, devices, memory and disk found"),
 }
@@ -33,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage_text("moescale", SUBCOMMANDS, "command"))
+        print("`moescale --version` prints the installed version.")
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from moescale import __version__
+
+        print(f"moescale {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

@@ -22,3 +22,31 @@ def test_a_crash_mid_write_keeps_the_previous_file(tmp_path):
             raise RuntimeError("simulated crash")
     assert target.read_text() == '{\n "step": 1\n}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.json"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_published_files_and_exports_follow_the_umask(tmp_path, mask):
+    """Model files written by safetensors (its own 0600 temp renamed onto the path) and export
+    directories get the modes a plain open()/mkdir gives under the user's umask."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from moescale.atomic import new_directory
+
+    old = os.umask(mask)
+    try:
+        with atomic_path(tmp_path / "ckpt.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))
+        with new_directory(tmp_path / "export") as folder:
+            save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+        plain = tmp_path / "plain"
+        plain.write_text("x")
+    finally:
+        os.umask(old)
+    want_file = 0o666 & ~mask
+    assert (plain.stat().st_mode & 0o777) == want_file
+    assert ((tmp_path / "ckpt.safetensors").stat().st_mode & 0o777) == want_file
+    assert ((tmp_path / "export" / "model.safetensors").stat().st_mode & 0o777) == want_file
+    assert ((tmp_path / "export").stat().st_mode & 0o777) == 0o777 & ~mask

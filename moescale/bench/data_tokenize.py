@@ -9,7 +9,7 @@ above the resident set before the call (VmHWM, reset through /proc/self/clear_re
 is never held in memory, so that peak should stay near a few batches (moescale/train/corpus.py:
 BATCH_BYTES of text and its ids), flat in `--mb`.
 
-Writes benchmarks/results/data_tokenize_<hardware>.json (CPU flags, sizes, every number).
+Writes runs/bench/<time>/data_tokenize_<hardware>.json (CPU flags, sizes, every number).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import psutil
 import torch
 
 from moescale.bench.disk_probe import cpu_flags, peak_rss_bytes, reset_peak_rss
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.train import corpus as corpus_mod
 from moescale.train.config import DataSection
 from moescale.train.data import load_data, stdlib_files
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"tokens/s; peak RSS +{first['peak_rss_above_start_mib']} MiB; cached: "
                   f"{cached['seconds']:.2f} s, +{cached['peak_rss_above_start_mib']} MiB")
         tag = hardware_tag(torch.device("cpu"))
-        out = Path(args.out or f"benchmarks/results/data_tokenize_{tag}.json")
+        out = result_path(args.out, f"data_tokenize_{tag}.json")
         write_json(out, dict(benchmark="data-tokenize", hardware=tag,
                              cpu_flags=cpu_flags(), cpus=os.cpu_count(),
                              load_avg=os.getloadavg()[0], corpus_files=files,

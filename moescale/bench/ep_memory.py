@@ -33,7 +33,7 @@ most the unpipelined one.
         [--experts 8] [--variants ffn glu] [--chunks 2 4 8] [--strategies none S1 S2 S3 S4]
         [--repeats 3] [--limit 0.6] [--out PATH]
 
-Writes benchmarks/results/ep_memory_<hardware>.json (with the CPU's model and flags).
+Writes runs/bench/<time>/ep_memory_<hardware>.json (with the CPU's model and flags).
 """
 
 from __future__ import annotations
@@ -42,12 +42,11 @@ import argparse
 import platform
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 
 from moescale.bench.ep_memory_rank import auto_choices, measure_config, time_configs
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.parallel.cost_model import Rates, choose_strategy
 from moescale.parallel.launch import run_local
 from moescale.parallel.memory_model import (LayerShape, pipelined_peak_bytes,
@@ -199,20 +198,30 @@ def _print(name: str, rep: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="moescale bench ep-memory",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--d-model", type=int, default=1024)
-    ap.add_argument("--d-ff", type=int, default=4096)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--variants", nargs="+", choices=("ffn", "glu"), default=["ffn", "glu"])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--world", type=int, default=2,
+                    help="ranks (gloo processes on this machine)")
+    ap.add_argument("--tokens", type=int, default=4096,
+                    help="tokens per rank")
+    ap.add_argument("--d-model", type=int, default=1024,
+                    help="model width")
+    ap.add_argument("--d-ff", type=int, default=4096,
+                    help="expert hidden width")
+    ap.add_argument("--experts", type=int, default=8,
+                    help="experts in all")
+    ap.add_argument("--variants", nargs="+", choices=("ffn", "glu"), default=["ffn", "glu"],
+                    help="expert kinds measured: ffn, glu")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8],
+                    help="chunk counts of the pipelined all-to-all")
     ap.add_argument("--strategies", nargs="+", default=["none", "S1", "S2", "S3", "S4"],
-                    choices=("none", "S1", "S2", "S3", "S4"))
+                    choices=("none", "S1", "S2", "S3", "S4"),
+                    help="memory-reuse strategies (none, S1-S4)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved timing rounds (after one warm-up round)")
     ap.add_argument("--limit", type=float, default=0.6,
                     help="memory limit for auto, times the unpipelined peak")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: under runs/bench/; a path under "
+                         "benchmarks/results updates the recorded result)")
     ns = ap.parse_args(argv)
     report = dict(config=dict(world=ns.world, tokens=ns.tokens, d_model=ns.d_model,
                               d_ff=ns.d_ff, experts=ns.experts, top_k=2, dtype="float32",
@@ -230,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, ok in report["targets"].items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
-    out = Path(ns.out) if ns.out else \
-        Path("benchmarks/results") / f"ep_memory_{report['hardware']['tag']}.json"
+    out = result_path(ns.out, f"ep_memory_{report['hardware']['tag']}.json")
     write_json(out, report)
     print(f"wrote {out}")
     return 0 if all(report["targets"].values()) else 1

@@ -23,7 +23,7 @@ its first 14 calls, so give --warmup 16 or more); the pick is recorded per rank 
         [--budget 2] [--configs C2-none,C4-none,C2-S2,C4-S4[,C2-none-noreuse]] [--runs 9]
         [--out PATH]
 
-Writes benchmarks/results/ep_offload_<hardware>.json with the CPU flags and the load average
+Writes runs/bench/<time>/ep_offload_<hardware>.json with the CPU flags and the load average
 before and after (other processes on the cores widen the intervals). On CPU ranks the
 exchanges are gloo copies through loopback TCP on the cores that compute, and an "upload" is
 a memory copy: what the pipeline hides here is little; a GPU is the real test.
@@ -35,12 +35,11 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from moescale.bench.disk_probe import cpu_flags
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.bench.stats import paired_ratio
 from moescale.parallel.launch import run_local
 
@@ -108,18 +107,28 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="moescale bench ep-offload",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--d-ff", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256,
+                    help="model width")
+    ap.add_argument("--d-ff", type=int, default=1024,
+                    help="expert hidden width")
+    ap.add_argument("--experts", type=int, default=8,
+                    help="experts in all")
     ap.add_argument("--budget", type=float, default=2.0, help="device budget in experts")
     ap.add_argument("--configs", default="C2-none,C4-none,C2-S2,C4-S4",
                     help="pipelined configurations C<chunks|auto>-<strategy>[-noreuse]")
     ap.add_argument("--runs", type=int, default=9, help="timed repetitions")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed repetitions first")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: under runs/bench/; a path under "
+                         "benchmarks/results updates the recorded result)")
     ns = ap.parse_args(argv)
+    if ns.runs < 2 or ns.warmup < 0:      # before any rank starts: the interval needs pairs
+        raise ValueError(f"--runs={ns.runs} must be >= 2 (the confidence interval needs pairs) "
+                         f"and --warmup={ns.warmup} >= 0")
     args = dict(tokens=ns.tokens, d_model=ns.d_model, d_ff=ns.d_ff, experts=ns.experts,
                 budget=ns.budget, configs=[c for c in ns.configs.split(",") if c],
                 runs=ns.runs, warmup=ns.warmup)
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                          ranks=ranks, peak_within_budget=within))
     print(f"device peak within budget on every rank: {ok}")
     tag = hardware_tag(torch.device("cpu"))
-    out = Path(ns.out) if ns.out else Path("benchmarks/results") / f"ep_offload_{tag}.json"
+    out = result_path(ns.out, f"ep_offload_{tag}.json")
     write_json(out, dict(benchmark="ep-offload", hardware=tag, cpu_flags=cpu_flags(),
                          load_average_1_5_15min=dict(before=load_before,
                                                      after=os.getloadavg()),

@@ -19,7 +19,7 @@ chunk count of the sweep (target: within 5%, i.e. T_sweep(pick) / T_sweep(best) 
     moescale bench ep-speed [--worlds 2 4] [--tokens 512] [--d-model 128] [--d-ff 512]
         [--experts 8] [--runs 7] [--trials 5] [--out PATH]
 
-Writes benchmarks/results/ep_speed_<hardware>.json. Numbers on a shared CPU are noisy; the
+Writes runs/bench/<time>/ep_speed_<hardware>.json. Numbers on a shared CPU are noisy; the
 file records the configuration and the raw medians. On CPU ranks the "communication" is gloo
 copying through loopback TCP on the same cores that compute, so the overlap efficiency says
 how much the pipeline's extra messages and smaller GEMMs cost there, not what a GPU gains.
@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.parallel.launch import run_local
 
 STRATEGIES = ("none", "S1", "S2", "S3", "S4")
@@ -139,15 +138,23 @@ def _rank_body(rank: int, world: int, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--d-ff", type=int, default=512)
-    ap.add_argument("--experts", type=int, default=8)
+    ap = argparse.ArgumentParser(prog="moescale bench ep-speed",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4],
+                    help="rank counts to time (gloo processes on this machine)")
+    ap.add_argument("--tokens", type=int, default=512,
+                    help="tokens per rank")
+    ap.add_argument("--d-model", type=int, default=128,
+                    help="model width")
+    ap.add_argument("--d-ff", type=int, default=512,
+                    help="expert hidden width")
+    ap.add_argument("--experts", type=int, default=8,
+                    help="experts in all")
     ap.add_argument("--runs", type=int, default=7, help="timed repetitions of the sweep")
     ap.add_argument("--trials", type=int, default=5, help="tuner measurements per candidate")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: under runs/bench/; a path under "
+                         "benchmarks/results updates the recorded result)")
     ns = ap.parse_args(argv)
     args = dict(tokens=ns.tokens, d_model=ns.d_model, d_ff=ns.d_ff, experts=ns.experts,
                 runs=ns.runs, trials=ns.trials)
@@ -185,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         report["worlds"][str(world)] = dict(times_s=res, overlap_efficiency=overlap,
                                             tuner_choice=choice, brute_force_best=best,
                                             tuner_vs_best=ratio, tuner_within_5pct=ok)
-    out = Path(ns.out) if ns.out else \
-        Path("benchmarks/results") / f"ep_speed_{hardware_tag(torch.device('cpu'))}.json"
+    out = result_path(ns.out, f"ep_speed_{hardware_tag(torch.device('cpu'))}.json")
     write_json(out, report)
     print(f"wrote {out}")
     return 0 if all_ok else 1

@@ -22,7 +22,7 @@ store checkpoint with save_records); `load-1` (one process, all experts, a fresh
 load_expert_shards verifies every record by direct I/O and adopts it by hard link) and
 `load-2` (2 ranks, each its own experts).
 
-Writes benchmarks/results/expert_shards_<hardware>.json (CPU model flags, the config, every
+Writes runs/bench/<time>/expert_shards_<hardware>.json (CPU model flags, the config, every
 rank's figures per phase, and the check: peak < share for every rank of save and load).
 Not here: correctness (tests/expert_state), the trainer's commit point.
 """
@@ -34,13 +34,12 @@ import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from moescale.bench import disk_probe
 from moescale.bench.ep_memory_rank import release_freed_memory, rss_bytes
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -48,17 +47,23 @@ GIB, MIB = 1 << 30, 1 << 20
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moescale bench expert-shards",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2,
+                   help="MoE layers")
     p.add_argument("--experts", type=int, default=16, help="experts per layer (all ranks)")
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--d-ff", type=int, default=2048)
+    p.add_argument("--d-model", type=int, default=1024,
+                   help="model width")
+    p.add_argument("--d-ff", type=int, default=2048,
+                   help="expert hidden width")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank of the one step")
-    p.add_argument("--host-cache-mib", type=int, default=256)
+    p.add_argument("--host-cache-mib", type=int, default=256,
+                   help="disk tier: host RAM caching expert records, MiB per rank")
     p.add_argument("--dir", default=None, help="work directory on the disk to measure "
                    "(default: the system's temporary directory; not a tmpfs for a real "
                    "measurement)")
     p.add_argument("--no-gather", action="store_true", help="skip the consolidated path")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: under runs/bench/; a path under "
+                        "benchmarks/results updates the recorded result)")
     return p
 
 
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
     print(f"  every process below its own share while saving and loading: "
           f"{'PASS' if ok else 'FAIL'}")
     tag = hardware_tag(torch.device("cpu"))
-    out = Path(args.out or f"benchmarks/results/expert_shards_{tag}.json")
+    out = result_path(args.out, f"expert_shards_{tag}.json")
     write_json(out, dict(
         benchmark="expert-shards", hardware=tag, cpu_flags=disk_probe.cpu_flags(),
         config=conf, work_filesystem=_filesystem(work), checkpoint_state_bytes=12 * params,

@@ -19,7 +19,7 @@ GELU FFN and SiLU GLU experts. The JSON records the CPU's flags and the GEMM eac
 Rows: routed rows actually computed per step (tokens x k dropless; kept choices under a
 capacity). Peers that would take minutes or tens of GB at full size (bf16 where torch's own
 bf16 GEMM is slow; batched_mm's per-row weight copies) run on fewer tokens and are compared in
-rows/s; the table marks them. Results: a printed table and JSON under benchmarks/results/
+rows/s; the table marks them. Results: a printed table and JSON under runs/bench/<time>/
 with the hardware in the file name.
 
 This file does not tune anything and never changes torch's thread settings.
@@ -42,7 +42,8 @@ from moescale.bench import layer_impls as impls
 from moescale.bench import layer_memory
 from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.layer_bound import build_movement, movement_bound
-from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
+from moescale.bench.measure import (Timed, hardware_tag, result_path, time_interleaved,
+                                     write_json)
 from moescale.bench.stats import paired_ratio
 from moescale.layers.grouped_ffn import lowp_gemm_choice, needs_fp32_gemm
 from moescale.layers.moe import MoE
@@ -387,14 +388,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated: hf,deepspeed")
     p.add_argument("--no-peers", action="store_true", help="floor and moescale only")
     p.add_argument("--repeats", type=int, default=None, help="timed runs (default 3; quick 2)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed repetitions before the timed ones")
     p.add_argument("--quick", action="store_true", help="tokens / 8 and 2 repeats")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N")
     p.add_argument("--slow-s", type=float, default=60.0,
                    help="a peer whose warm-up takes longer is timed once (marked runs=1)")
     p.add_argument("--out", default=None,
-                   help="JSON path (default benchmarks/results/layer_<hardware>[_quick].json)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="JSON path (default: runs/bench/<time>/layer_<hardware>[_quick].json; "
+                        "benchmarks/results/... updates the recorded result)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the layers' weights and inputs")
     return p
 
 
@@ -423,8 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             suffix += "_nopeers"
         if opts.expert != "glu":
             suffix += "_" + opts.expert
-        path = Path("benchmarks/results") / f"layer_{hardware_tag(torch.device(opts.device))}" \
-            f"{suffix}.json"
+        path = result_path(None, f"layer_{hardware_tag(torch.device(opts.device))}{suffix}.json")
     result = run(opts, argv, log, on_partial=lambda partial: write_json(path, partial))
     print("\n" + format_table(result["results"]))
     print("(* = measured on fewer tokens than the config; compare rows/s)")

@@ -9,6 +9,9 @@
   `torch.autograd.graph.saved_tensors_hooks`: each storage once, parameters excluded.
 - `hardware_tag` names the machine for result file names (`cpu-2c-avx2`, `cuda-nvidia-h200`).
 - `write_json` writes a result file atomically (temp file in the same folder, fsync, replace).
+- `result_path(out, filename)`: where a benchmark's JSON goes: `--out` when given, else
+  runs/bench/<timestamp>/<filename>, so a trial run from the repository root never
+  overwrites the committed results (`--out benchmarks/results/<filename>` updates one).
 
 This file measures; it does not decide what is compared, and it never changes thread counts or
 any global torch setting.
@@ -153,3 +156,14 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 def write_json(path: Path, payload: dict) -> None:
     """Atomic JSON write (moescale.atomic: temp file, fsync, os.replace)."""
     atomic_write_json(path, payload)
+
+
+COMMITTED = Path("benchmarks/results")     # the repository's recorded results
+
+
+def result_path(out: str | None, filename: str) -> Path:
+    """`out` when given, else runs/bench/<timestamp>/<filename> (see the module docstring)."""
+    if out:
+        return Path(out)
+    return Path("runs") / "bench" / time.strftime("%Y%m%d-%H%M%S") / filename
+

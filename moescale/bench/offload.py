@@ -18,7 +18,7 @@ For each implementation: the median step time, and the ratio to resident as the 
 of the per-repetition paired ratios with a 95% confidence interval (stats.paired_ratio: the
 t-interval of the log-ratios), the device peak against its budget. Target (issue 3): host tier
 with a 2-expert device budget <= 1.10x resident: passed when the whole interval lies at or
-below 1.10. Writes benchmarks/results/offload_<hardware>.json with the CPU flags. On a CPU
+below 1.10. Writes runs/bench/<time>/offload_<hardware>.json with the CPU flags. On a CPU
 the "device" is simulated: uploads are memory copies on the copy thread, so this measures the
 machinery's overhead (copies, threads, per-expert walks), not PCIe. `--device cuda` runs the
 same on a GPU (CudaDevice, pinned host store), `--dtype bfloat16` under autocast.
@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from moescale.bench.disk_probe import cpu_flags
-from moescale.bench.measure import Timed, hardware_tag, time_interleaved, write_json
+from moescale.bench.measure import (Timed, hardware_tag, result_path, time_interleaved,
+                                     write_json)
 from moescale.bench.stats import paired_ratio
 from moescale.layers.moe import MoE, collect_aux_loss
 from moescale.offload import OffloadConfig, offload_moe
@@ -73,20 +73,30 @@ def training_step(model, x, opt, engine=None, autocast_bf16: bool = False) -> fl
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moescale bench offload", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--d-ff", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2,
+                   help="MoE layers")
+    p.add_argument("--d-model", type=int, default=512,
+                   help="model width")
+    p.add_argument("--d-ff", type=int, default=2048,
+                   help="expert hidden width")
+    p.add_argument("--experts", type=int, default=8,
+                   help="experts per layer")
+    p.add_argument("--top-k", type=int, default=2,
+                   help="experts per token")
+    p.add_argument("--tokens", type=int, default=2048,
+                   help="tokens per step")
     p.add_argument("--runs", type=int, default=15, help="timed repetitions (>= 2; 15+ for "
                    "an interval narrow enough to resolve a 10%% overhead)")
     p.add_argument("--budgets", type=str, default="2,3", help="device budgets, in experts")
-    p.add_argument("--modes", type=str, default="eager,deferred")
+    p.add_argument("--modes", type=str, default="eager,deferred",
+                   help="comma-separated expert step modes: eager, deferred")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: a SimulatedDevice; cuda: the GPU (experts on the host, pinned)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", type=str, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute precision")
+    p.add_argument("--out", type=str, default=None,
+                   help="JSON path (default: under runs/bench/; a path under "
+                        "benchmarks/results updates the recorded result)")
     return p
 
 
@@ -160,7 +170,7 @@ def main(argv=None) -> int:
     for eng in engines.values():
         eng.close()
     tag = hardware_tag(device)
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"offload_{tag}.json"
+    out = result_path(args.out, f"offload_{tag}.json")
     write_json(out, dict(benchmark="offload", hardware=tag, cpu_flags=cpu_flags(),
                          config=vars(args), torch_threads=torch.get_num_threads(),
                          interval="95% t-interval of the paired per-repetition log-ratios "

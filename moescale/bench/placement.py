@@ -17,7 +17,7 @@ trained here for a few dozen steps; each layer of each step is one sample). Per 
 - planning time (LPT and LPT + split) for 128 experts on 8 devices, beside the time of sorting
   128 tuples on the same machine (a calibration: this box is shared and loaded).
 
-Writes benchmarks/results/placement_<hardware>.json. Not here: GPUs (no device here), the
+Writes runs/bench/<time>/placement_<hardware>.json. Not here: GPUs (no device here), the
 upload part of the load model (it needs a device cache).
 """
 
@@ -30,11 +30,10 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.parallel.placement import Placement, PlacementConfig, plan_placement
 
 STRATEGIES = ("static", "lpt", "lpt+split")
@@ -274,18 +273,25 @@ def main(argv=None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--draws", type=int, default=200, help="Zipf draws per exponent")
     p.add_argument("--rows", type=int, default=16384, help="rows per Zipf draw")
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=512)
+    p.add_argument("--experts", type=int, default=32,
+                   help="experts placed")
+    p.add_argument("--devices", type=int, default=4,
+                   help="devices (ranks) they are placed on")
+    p.add_argument("--d-model", type=int, default=256,
+                   help="model width of the timed expert work")
+    p.add_argument("--d-ff", type=int, default=512,
+                   help="expert hidden width of the timed work")
     p.add_argument("--metrics", default=None, help="metrics.jsonl of a run (default: newest "
                    "under runs/, else train a tiny GPT here)")
-    p.add_argument("--train-steps", type=int, default=40)
+    p.add_argument("--train-steps", type=int, default=40,
+                   help="steps of the tiny GPT trained here when no run's metrics are found")
     p.add_argument("--gloo-iters", type=int, default=5, help="0 skips the gloo measurement")
     p.add_argument("--replays", type=int, default=5,
                    help="replays of each rank's expert work per iteration (best counts)")
     p.add_argument("--gloo-tokens", type=int, default=1024, help="tokens per rank")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: under runs/bench/; a path under "
+                        "benchmarks/results updates the recorded result)")
     args = p.parse_args(argv)
     if args.devices < 1 or args.experts < args.devices:
         raise ValueError(f"--experts={args.experts} must be >= --devices={args.devices} >= 1")
@@ -318,8 +324,7 @@ def main(argv=None) -> int:
                 tokens=args.gloo_tokens, top_k=2, iters=args.gloo_iters, replays=args.replays,
                 exponents=(1.0, 1.5))))
     print(json.dumps(result, indent=1))
-    out = Path(args.out) if args.out else \
-        Path("benchmarks/results") / f"placement_{hardware_tag(torch.device('cpu'))}.json"
+    out = result_path(args.out, f"placement_{hardware_tag(torch.device('cpu'))}.json")
     write_json(out, result)
     print(f"wrote {out}")
     return 0

@@ -29,7 +29,7 @@ Targets (issue 11): every error within 25%; two runs of the check within 10% of 
 per configuration, (1 + error) within 10% of the previous run's (the previous result file, or
 `--previous`). The changes of the prediction and of the measurement are reported beside;
 they move together when the machine's load or the disk's speed changes. Writes
-benchmarks/results/plan_check_<hardware>.json with the CPU flags.
+runs/bench/<time>/plan_check_<hardware>.json with the CPU flags.
 
 Deliberately not here: GPU configurations (the same code with CUDA rates).
 """
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from moescale.bench.disk_probe import cpu_flags
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import COMMITTED, hardware_tag, result_path, write_json
 from moescale.bench.offload import MoEStack, training_step
 from moescale.bench.offload_disk import parse_formats
 from moescale.offload import OffloadConfig, offload_moe
@@ -190,27 +190,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-runs", type=int, default=5, help="timed rounds per disk-tier "
                    "configuration (each also moves 2 GiB for the disk probe)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated configurations to predict and measure")
     p.add_argument("--formats", default="fp32+fp32", help="expert state formats to check each "
                    "configuration in, MASTER+MOMENTS comma-separated (e.g. fp32+fp32,bf16+int8)")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary "
                    "directory under /var/tmp)")
-    p.add_argument("--host-cache-gb", type=float, default=1.0)
+    p.add_argument("--host-cache-gb", type=float, default=1.0,
+                   help="disk tier: host RAM caching expert records, GB")
     p.add_argument("--disk-probe-mb", type=int, default=1024, help="size of the file the "
                    "disk bandwidth is measured on (>= 1024 for a real measurement)")
     p.add_argument("--disk-result", default=None,
                    help="an offload-disk result JSON to compare as the past-RAM row")
     p.add_argument("--previous", default=None, help="a previous plan-check result to compare "
                    "with (default: the output file, if it exists)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: under runs/bench/; a path under "
+                        "benchmarks/results updates the recorded result)")
     return p
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     tag = hardware_tag(torch.device("cpu"))
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"plan_check_{tag}.json"
-    previous = Path(args.previous) if args.previous else out
+    out = result_path(args.out, f"plan_check_{tag}.json")
+    previous = Path(args.previous) if args.previous else COMMITTED / f"plan_check_{tag}.json"
     before = {r["config"]: r for r in json.loads(previous.read_text())["results"]} \
         if previous.exists() else {}
     cache = int(args.host_cache_gb * GIB)

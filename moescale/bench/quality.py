@@ -21,7 +21,7 @@ on a shared machine: the two are trained interleaved, one step of each in turn (
 other processes hits both alike), and each stops once its own measured training time reaches
 the budget; the learning rate warms up over the first steps, then follows a cosine over the
 fraction of the time budget used (the step count is not known in advance). Validation loss is
-measured at the end on the same fixed windows. Writes `benchmarks/results/quality_<hardware>[_<tag>].json`.
+measured at the end on the same fixed windows. Writes `runs/bench/<time>/quality_<hardware>[_<tag>].json`.
 
 FastMoE and ES-MoE both report the MoE winning at equal compute; this measures whether we do,
 at this scale. This file only orchestrates `moescale.train`; it adds no training logic.
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from moescale.bench.disk_probe import cpu_flags
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.train.config import load_config
 
 
@@ -163,21 +163,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-ff", type=int, default=None,
                         help="the MoE's expert width (default: the size's d_ff); the dense "
                              "twin's FFN width is top_k * expert-ff")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="tokens per sequence")
     parser.add_argument("--seeds", default="1234,1235",
                         help="comma-separated seeds, one MoE/dense pair each (default 2)")
-    parser.add_argument("--eval-batches", type=int, default=32)
+    parser.add_argument("--eval-batches", type=int, default=32,
+                        help="validation batches of the final loss")
     parser.add_argument("--curve-points", type=int, default=6,
                         help="validation points on the loss-vs-wall-clock curve")
     parser.add_argument("--curve-batches", type=int, default=8,
                         help="validation windows per curve point")
-    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=20,
+                        help="learning-rate warmup steps")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (0: auto, the CPUs the load leaves free)")
     parser.add_argument("--tag", default="", help="file-name suffix for this recipe")
-    parser.add_argument("--out", default="benchmarks/results",
-                        help="folder for quality_<hardware>[_<tag>].json")
+    parser.add_argument("--out", default=None,
+                        help="folder for quality_<hardware>[_<tag>].json (default: "
+                             "runs/bench/<time>/; benchmarks/results updates the recorded one)")
     args = parser.parse_args(argv)
     if not args.seconds > 0:
         raise ValueError(f"--seconds={args.seconds} must be > 0")
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if not seeds:
         raise ValueError("--seeds is empty; give at least one seed, e.g. --seeds 1234,1235")
     hardware = hardware_tag(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    path = Path(args.out) / f"quality_{hardware}{'_' + args.tag if args.tag else ''}.json"
+    name = f"quality_{hardware}{'_' + args.tag if args.tag else ''}.json"
+    path = result_path(str(Path(args.out) / name) if args.out else None, name)
     runs = []
     for seed in seeds:
         result = run(args, seed)

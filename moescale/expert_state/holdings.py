@@ -31,6 +31,7 @@ from torch import nn
 
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
+from moescale.models.resident import dense_state_dict
 from moescale.offload.experts import OffloadedExpertsBase
 from moescale.offload.records import STATE
 from moescale.offload.store import ExpertStore
@@ -264,7 +265,7 @@ def expert_state_keys(model: nn.Module) -> set[str]:
     """The keys of `model.state_dict()` that are expert state (saved by the expert shards, so
     a dense checkpoint leaves them out)."""
     prefixes = [f"{name}.experts." if name else "experts." for name, _ in _moes(model)]
-    return {k for k in model.state_dict() if any(k.startswith(p) for p in prefixes)}
+    return {k for k in dense_state_dict(model) if any(k.startswith(p) for p in prefixes)}
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -57,7 +57,7 @@ def thread_budget() -> int:
 def num_expert_workers(device: torch.device, counts: Sequence[int]) -> int:
     """How many worker threads to use for these per-expert row counts (0: run serially):
     at most the thread budget, with at least two non-empty experts per worker."""
-    if device.type != "cpu":
+    if device.type != "cpu" or torch.compiler.is_compiling():   # no threads in a traced graph
         return 0
     workers = min(thread_budget(), sum(1 for n in counts if n) // 2)
     return workers if workers >= 2 else 0

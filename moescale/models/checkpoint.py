@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from moescale.atomic import atomic_path
+from moescale.models.resident import dense_state_dict, is_offloaded
 
 FORMAT_NAME = "moescale-consolidated"
 FORMAT_VERSION = "1"
@@ -55,15 +56,9 @@ def expert_keys(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> list[
     return [k for k in keys if k.endswith(EXPERT_SUFFIXES)]
 
 
-def _is_external(module: nn.Module) -> bool:
-    """Whether the module is an offloaded expert container (its experts live in an engine)."""
-    return getattr(module, "layer_index", None) is not None and \
-        callable(getattr(getattr(module, "engine", None), "expert_state", None))
-
-
 def _external_experts(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """The experts a container keeps outside its parameters (names relative to it), or None."""
-    if not _is_external(module):
+    if not is_offloaded(module):
         return None
     per_expert = [module.engine.expert_state(module.layer_index, e)
                   for e in range(module.num_experts)]
@@ -74,7 +69,7 @@ def _external_experts(module: nn.Module) -> dict[str, torch.Tensor] | None:
 
 def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """`model.state_dict()` with every expert present, in the consolidated layout."""
-    state = dict(model.state_dict())
+    state = dict(dense_state_dict(model))
     for path, module in model.named_modules():
         extra = _external_experts(module)
         if extra:
@@ -167,13 +162,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, *, strict: bool =
     expert_ids: the global experts this model's expert tensors hold (a rank's shard under
     expert parallelism), in row order; None means all of them.
     """
-    if any(_is_external(m) for m in model.modules()):
+    if any(is_offloaded(m) for m in model.modules()):
         raise ValueError("this model's experts live outside it (offloaded); load the checkpoint "
                          "into the model before offload_moe(model), then offload it")
     state, user = read_checkpoint(path)
     if expert_ids is not None:
         state = slice_experts(state, expert_ids)
-    own = model.state_dict()
+    own = dense_state_dict(model)
     mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
                   for k, v in state.items() if k in own and own[k].shape != v.shape]
     if mismatched:

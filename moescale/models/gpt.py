@@ -68,6 +68,7 @@ class GPTConfig:
     z_loss_coef: float = 0.0
     dropout: float = 0.0
     bias: bool = False
+    qkv_bias: bool = False        # biases on the q/k/v projections only (Qwen2)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -157,7 +158,7 @@ class CausalSelfAttention(nn.Module):
         self.n_heads, self.head_dim, self.dropout = cfg.n_heads, cfg.head_dim, cfg.dropout
         self.n_kv_heads = cfg.n_kv_heads
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim,
-                             bias=cfg.bias)       # rows: q (H heads), k, v (n_kv_heads each)
+                             bias=cfg.bias or cfg.qkv_bias)  # rows: q (H heads), k, v (G each)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x_BSD: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor,

@@ -41,6 +41,7 @@ from torch import nn
 from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE, MoEConfig
 from moescale.models.moefy import identify_activation
+from moescale.models.resident import dense_state_dict
 
 
 def is_hf_sparse_block(module: nn.Module) -> bool:
@@ -198,7 +199,7 @@ def to_hf(model: nn.Module, config: Any = None) -> nn.Module:
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state dict `to_hf(model)` would have, without changing `model` (tensors copied)."""
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in dense_state_dict(model).items():
         out[name] = tensor
     for path, module in model.named_modules():
         if not isinstance(module, HFMoEBlock):

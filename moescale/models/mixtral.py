@@ -86,8 +86,9 @@ def check_gpt(cfg: GPTConfig) -> None:
     if cfg.capacity_factor is not None:
         _refuse("capacity_factor", cfg.capacity_factor, "Mixtral drops no token",
                 "leave model.capacity_factor unset (dropless)")
-    if cfg.bias:
-        _refuse("bias", cfg.bias, "Mixtral's projections have no bias", "use bias=False")
+    if cfg.bias or cfg.qkv_bias:
+        _refuse("bias" if cfg.bias else "qkv_bias", True, "Mixtral's projections have no bias",
+                "use bias=False (or export as remote code: --format moescale)")
 
 
 def _check_moe(moe: MoE, where: str) -> str:
@@ -227,28 +228,32 @@ def moefied_to_mixtral(model: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]
     return config, out
 
 
-def write_mixtral(out_dir: str | os.PathLike, config: dict,
-                  tensors: dict[str, torch.Tensor]) -> Path:
-    """config.json + model.safetensors in a new directory, published by one rename."""
+def write_model_files(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors into an existing (staging) directory."""
     from safetensors.torch import save_file
 
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+              str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def mixtral_config(config: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """The config.json dict of a Mixtral directory (architecture, dtype and flags added)."""
     dtype = next(iter(tensors.values())).dtype
-    full = dict(config, architectures=["MixtralForCausalLM"], model_type="mixtral",
+    return dict(config, architectures=["MixtralForCausalLM"], model_type="mixtral",
                 dtype=str(dtype).removeprefix("torch."), output_router_logits=False,
                 use_cache=True)
-    with new_directory(out_dir) as tmp:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-                  str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
-    return Path(out_dir)
 
 
 def export_mixtral(model: nn.Module, out_dir: str | os.PathLike) -> Path:
     """Write `model` (a moescale GPT or a moefied Llama/Mistral) as a Mixtral checkpoint
-    directory that `transformers.MixtralForCausalLM.from_pretrained` loads; returns its path."""
+    directory that `transformers.MixtralForCausalLM.from_pretrained` loads (config.json +
+    model.safetensors, published by one rename); returns its path."""
     convert = gpt_to_mixtral if isinstance(model, GPT) else moefied_to_mixtral
     config, tensors = convert(model)
-    return write_mixtral(out_dir, config, tensors)
+    with new_directory(out_dir) as tmp:
+        write_model_files(tmp, mixtral_config(config, tensors), tensors)
+    return Path(out_dir)
 
 
 # -- import ----------------------------------------------------------------------------
@@ -280,15 +285,16 @@ class LazyTensors(Mapping):
         return len(self.where)
 
 
-def open_mixtral(path: str | os.PathLike) -> tuple[dict, LazyTensors]:
-    """(config.json dict, its tensors read on demand) of a Mixtral checkpoint directory."""
+def open_mixtral(path: str | os.PathLike, model_types=("mixtral",)) -> tuple[dict, LazyTensors]:
+    """(config.json dict, its tensors read on demand) of a Mixtral checkpoint directory (or,
+    with `model_types`, of those families' Llama-style layout)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{str(path)!r} has no config.json; give a Mixtral checkpoint "
                          "directory (save_pretrained's or export_mixtral's)")
     config = json.loads(cfg_file.read_text())
-    if config.get("model_type") != "mixtral":
+    if config.get("model_type") not in model_types:
         raise ValueError(f"{str(path)!r} holds model_type={config.get('model_type')!r}, not "
                          "'mixtral'; other HF MoE families load with transformers, then "
                          "moescale.models.from_hf")
@@ -366,24 +372,37 @@ def mixtral_expert(tensors: Mapping, layer: int, e: int, F: int) -> dict[str, to
             "w2_EFD": tensors[f"{ex}.w2.weight"].t()}
 
 
+def attention_state(tensors: Mapping, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The GPT's embedding, norms and attention (moescale names) from a Llama-family layout
+    (Mixtral, Llama, Mistral, Qwen2: q/k/v biases go to the fused qkv bias); KeyError naming
+    a missing tensor."""
+    state = {"tok_emb.weight": tensors["model.embed_tokens.weight"],
+             "norm.weight": tensors["model.norm.weight"]}
+    state["lm_head.weight"] = tensors["lm_head.weight"] if "lm_head.weight" in tensors \
+        else state["tok_emb.weight"]
+    for i in range(cfg.n_layers):
+        b, layer = f"blocks.{i}", f"model.layers.{i}"
+        att = f"{layer}.self_attn"
+        state[f"{b}.attn.qkv.weight"] = torch.cat(
+            [tensors[f"{att}.{p}_proj.weight"] for p in "qkv"])
+        if cfg.qkv_bias:
+            state[f"{b}.attn.qkv.bias"] = torch.cat(
+                [tensors[f"{att}.{p}_proj.bias"] for p in "qkv"])
+        state[f"{b}.attn.proj.weight"] = tensors[f"{att}.o_proj.weight"]
+        state[f"{b}.attn_norm.weight"] = tensors[f"{layer}.input_layernorm.weight"]
+        state[f"{b}.ffn_norm.weight"] = tensors[f"{layer}.post_attention_layernorm.weight"]
+    return state
+
+
 def mixtral_state(tensors: Mapping, cfg: GPTConfig, where: str, experts: bool = True
                   ) -> dict[str, torch.Tensor]:
     """The GPT state dict (moescale names) of a Mixtral checkpoint's tensors; without the
     stacked experts when `experts` is False (they are then read one by one: mixtral_expert)."""
     D, E, F = cfg.d_model, cfg.num_experts, cfg.d_ff
     try:
-        state = {"tok_emb.weight": tensors["model.embed_tokens.weight"],
-                 "norm.weight": tensors["model.norm.weight"]}
-        state["lm_head.weight"] = tensors["lm_head.weight"] if "lm_head.weight" in tensors \
-            else state["tok_emb.weight"]
+        state = attention_state(tensors, cfg)
         for i in range(cfg.n_layers):
             b, layer = f"blocks.{i}", f"model.layers.{i}"
-            att = f"{layer}.self_attn"
-            state[f"{b}.attn.qkv.weight"] = torch.cat(
-                [tensors[f"{att}.{p}_proj.weight"] for p in "qkv"])
-            state[f"{b}.attn.proj.weight"] = tensors[f"{att}.o_proj.weight"]
-            state[f"{b}.attn_norm.weight"] = tensors[f"{layer}.input_layernorm.weight"]
-            state[f"{b}.ffn_norm.weight"] = tensors[f"{layer}.post_attention_layernorm.weight"]
             gate = f"{layer}.mlp.gate.weight" if f"{layer}.mlp.gate.weight" in tensors \
                 else f"{layer}.block_sparse_moe.gate.weight"
             state[f"{b}.ffn.router.weight"] = tensors[gate]

@@ -30,6 +30,10 @@ callable (correct, slower backward). Gated blocks with biases (mlp_bias=True) us
 `ModuleExperts` holding copies of the dense module, because the stacked GLU kernels are
 bias-free.
 
+A moefied transformers model's own `save_pretrained` raises ValueError naming
+`moescale.models.save_moefied` and `export_mixtral`: transformers' `from_pretrained` of the
+dense class would load it with randomly re-initialised MLPs.
+
 Deliberately not here: Mixtral/Qwen-MoE/OLMoE (already sparse: see hf.py), decoder layers of
 nn.Transformer, fused gate_up projections (Phi-3), anything that needs weights downloaded.
 
@@ -302,4 +306,17 @@ def moefy(model: nn.Module, num_experts: int = 8, top_k: int = 2, *, upcycle: bo
         if isinstance(module, nn.TransformerEncoder) and \
                 any(isinstance(m, MoEEncoderLayer) for m in module.layers):
             module.use_nested_tensor = False
+    if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
+        model.save_pretrained = refuse_save_pretrained     # this instance only
     return model
+
+
+def refuse_save_pretrained(*args, **kwargs):
+    """A moefied transformers model's save_pretrained: the dense class's from_pretrained would
+    drop every MoE weight and re-initialise the MLPs at random, so it refuses, naming the
+    savers that reload faithfully."""
+    raise ValueError("save_pretrained of a moefied model writes MoE layers that the dense "
+                     "class's from_pretrained drops (its MLPs would be re-initialised at "
+                     "random); save it with moescale.models.save_moefied(model, DIR) "
+                     "(load_moefied reads it back), or, for a Llama / Mistral with GLU experts, "
+                     "moescale.models.export_mixtral(model, DIR) (MixtralForCausalLM loads it)")

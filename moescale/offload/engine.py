@@ -333,7 +333,10 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
     expert_init(layer, expert, layout) -> flat fp32 [layout.numel], if given, initialises the
     store instead of the experts' own weights: models built on the meta device never hold
     their experts in memory (grouped experts only; `expert` is the global id, also for
-    expert-parallel layers)."""
+    expert-parallel layers). `model.state_dict()` afterwards warns that the experts are not in
+    it (moescale.models.resident: consolidated_state_dict / resident_model give them back)."""
+    from moescale.models.resident import warn_offloaded_state_dict
+
     config = config or OffloadConfig()
     if config.tier == "device-only":
         raise ValueError("tier='device-only' keeps the experts resident on the device: there is "
@@ -372,6 +375,7 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
         else:
             raise ValueError(f"offload_moe supports GroupedExperts and ModuleExperts; this "
                              f"layer has {type(experts).__name__}")
+        offloaded.register_state_dict_post_hook(warn_offloaded_state_dict)   # says where
         if shard is None:
             moe.experts = offloaded
         else:

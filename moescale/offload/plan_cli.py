@@ -33,27 +33,44 @@ GB = 1 << 30
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moescale plan", description=__doc__.split("\n")[0])
-    p.add_argument("--moe-layers", type=int, default=24)
-    p.add_argument("--d-model", type=int, default=1536)
-    p.add_argument("--d-ff", type=int, default=6144)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-layers", type=int, default=24,
+                   help="MoE layers of the model")
+    p.add_argument("--d-model", type=int, default=1536,
+                   help="model width")
+    p.add_argument("--d-ff", type=int, default=6144,
+                   help="hidden width of each expert")
+    p.add_argument("--experts", type=int, default=64,
+                   help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2,
+                   help="experts per token")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch")
     p.add_argument("--micro-batches", type=int, default=1, help="per optimizer step")
-    p.add_argument("--glu", action="store_true")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device-gb", type=float, default=40)
-    p.add_argument("--host-gb", type=float, default=512)
-    p.add_argument("--disk-gb", type=float, default=4096)
-    p.add_argument("--host-cache-gb", type=float, default=None)
-    p.add_argument("--step-mode", default="eager", choices=["eager", "deferred"])
+    p.add_argument("--glu", action="store_true",
+                   help="gated (GLU) experts: three weight matrices, not two")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="the experts' compute precision on the device")
+    p.add_argument("--device-gb", type=float, default=40,
+                   help="device memory for training, GB")
+    p.add_argument("--host-gb", type=float, default=512,
+                   help="host RAM the plan may use, GB")
+    p.add_argument("--disk-gb", type=float, default=4096,
+                   help="disk space the plan may use, GB")
+    p.add_argument("--host-cache-gb", type=float, default=None,
+                   help="disk tier: host RAM caching expert records, GB (default: what the host "
+                        "budget leaves)")
+    p.add_argument("--step-mode", default="eager", choices=["eager", "deferred"],
+                   help="expert optimizer steps: eager (each after its backward) or "
+                        "deferred (after the whole backward)")
     p.add_argument("--master", default="fp32", choices=list(MASTERS), help="the store's expert "
                    "master weights (bf16: stochastic rounding, half the bytes)")
     p.add_argument("--moments", default="fp32", choices=list(MOMENTS), help="the store's Adam "
                    "moments (int8: block-wise dynamic quantisation)")
-    p.add_argument("--rates", default="a100", choices=["a100", "measure"])
+    p.add_argument("--rates", default="a100", choices=["a100", "measure"],
+                   help="compute / copy / disk rates: a100 (published A100 + NVMe figures) or "
+                        "measure (this machine)")
     p.add_argument("--disk-dir", default=None, help="where --rates measure probes the disk")
-    p.add_argument("--max-experts", action="store_true")
+    p.add_argument("--max-experts", action="store_true",
+                   help="also print the largest expert count each tier fits in the budgets")
     p.add_argument("--dense-params", type=int, default=None,
                    help="non-expert parameters besides the vocabulary's (default: 4 d_model^2 "
                         "per layer + routers)")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moescale.layers.experts import GroupedExperts
+from moescale.models.resident import dense_state_dict
 from moescale.parallel.all_to_all import collective_errors
 from moescale.parallel.expert_parallel import ExpertShard
 from moescale.parallel.groups import ParallelGroups
@@ -44,7 +45,7 @@ def _full_key(shard_name: str, shard: ExpertShard, local_key: str) -> str:
 def full_state_dict(model: nn.Module, groups: ParallelGroups) -> dict[str, torch.Tensor]:
     """The single-process model's state dict, assembled from the EP shards (on every rank)."""
     shards = _shards(model)
-    state = {key: value for key, value in model.state_dict().items()
+    state = {key: value for key, value in dense_state_dict(model).items()
              if _owner(shards, key) is None}
     for name, shard in shards.items():
         local = shard.local.state_dict()
@@ -74,7 +75,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor],
     """Load a single-process state dict into an expert-parallel model (this rank's slice)."""
     shards = _shards(model)
     local_state = {}
-    for key, value in model.state_dict().items():
+    for key, value in dense_state_dict(model).items():
         owner = _owner(shards, key)
         if owner is None:
             source_key = key

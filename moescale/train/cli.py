@@ -7,8 +7,9 @@
     torchrun --nproc-per-node 2 -m moescale train --parallel.ep_size 2      # experts split
     torchrun --nproc-per-node 2 -m moescale train --parallel.placement dynamic   # LPT per step
 
-Options are `--section.name VALUE` (or `--section.name=VALUE`), converted by the type of the
-config field; `--help` lists them all with their defaults. A user error raises ValueError, which
+Options are `--section.name VALUE` (or `--section.name=VALUE`; hyphens in the name work too,
+`--model.top-k`, the other subcommands' kebab style), converted by the type of the config
+field; `--help` lists them all with their defaults. A user error raises ValueError, which
 `moescale.cli` prints as one line with exit code 2. With `--resume RUN_DIR` the run's own
 config.toml is the base, `--config` and overrides apply on top (e.g. more `--train.steps`).
 
@@ -58,7 +59,7 @@ per machine, gradients averaged across machines; --parallel.node_size N: nodes o
 every step logs the modelled max/mean device load (device_load_max_over_mean, static
 placement's static_load_max_over_mean).
 
-options (--section.option VALUE; 'none' unsets an optional value):"""
+options (--section.option VALUE, or --section.option-name; 'none' unsets an optional value):"""
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, str | None, dict[str, str], bool]:
@@ -84,8 +85,9 @@ def parse_args(argv: list[str]) -> tuple[str | None, str | None, dict[str, str],
             config_file = value
         elif name == "resume":
             resume = value
-        elif "." in name:
-            overrides[name] = value
+        elif "." in name:     # --model.top-k is --model.top_k (the other commands' style)
+            section, _, option = name.partition(".")
+            overrides[f"{section}.{option.replace('-', '_')}"] = value
         else:
             raise ValueError(f"unknown option --{name}; options are --config, --resume and "
                              "--section.option (see moescale train --help)")
@@ -129,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(config_file, overrides, base=base)
     if resume is None:
         run_dir = Path(config.train.run_dir) if config.train.run_dir else new_run_dir()
+    else:     # a moved run: its copy of a tokenizer whose original is gone
+        from moescale.train.tokenizer import run_tokenizer_path
+
+        config.data.tokenizer = run_tokenizer_path(config.data.tokenizer, run_dir)
     from moescale.train.guard import TrainingDiverged
     from moescale.train.trainer import Trainer
 

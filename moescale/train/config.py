@@ -58,8 +58,9 @@ def _need(cond: bool, option: str, value, fix: str) -> None:
 
 
 # The model options that may be given with model.hf: they change training, not the Mixtral
-# the run exports (top_k >= 2 is checked against the directory's config.json at start).
-HF_TUNABLE = ("top_k", "aux_loss_coef", "z_loss_coef", "dropout")
+# the run exports (top_k >= 2 is checked against the directory's config.json at start);
+# num_experts sets the expert count of an upcycled dense model (a Mixtral's must match).
+HF_TUNABLE = ("num_experts", "top_k", "aux_loss_coef", "z_loss_coef", "dropout")
 
 
 @dataclass(kw_only=True)
@@ -69,24 +70,26 @@ class ModelSection:
     Fields left None take the size's value; with `hf` the shape is the directory's config.json
     (train/model.py) and only HF_TUNABLE fields may be given."""
 
-    size: str = "tiny"
-    n_layers: int | None = None
-    d_model: int | None = None
-    n_heads: int | None = None
-    d_ff: int | None = None
-    num_experts: int | None = None
-    top_k: int | None = None
-    router: str | None = None
+    size: str = "tiny"          # a named shape (moescale.models.sizes); the fields below change it
+    n_layers: int | None = None     # transformer blocks
+    d_model: int | None = None      # model width
+    n_heads: int | None = None      # attention heads (d_model / n_heads: even head width)
+    d_ff: int | None = None         # hidden width of each expert (and of dense FFN layers)
+    num_experts: int | None = None  # experts per MoE layer (with model.hf: of an upcycled dense
+                                    # model; 8 unless given)
+    top_k: int | None = None        # experts each token is routed to
+    router: str | None = None       # topk (Mixtral) | noisy_topk | switch (top-1) | gshard (top-2)
     capacity_factor: float | None = None   # unset: dropless
     moe_every: int | None = None           # 1: every layer MoE, 2: every other, 0: dense
-    glu: bool | None = None
-    activation: str | None = None
-    aux_loss_coef: float | None = None
-    z_loss_coef: float | None = None
-    dropout: float | None = None
-    hf: str | None = None       # a Hugging Face MoE checkpoint or config directory (Mixtral):
-                                # its config.json is the model, its weights (if any) the start;
-                                # the trained model is written back to <run_dir>/hf
+    glu: bool | None = None         # gated experts: (act(x W1) * x W3) W2 (SwiGLU with silu)
+    activation: str | None = None   # the experts' nonlinearity: gelu | gelu_tanh | silu | relu
+    aux_loss_coef: float | None = None   # weight of the load-balancing loss E * sum f_e P_e
+    z_loss_coef: float | None = None     # weight of the router z-loss (0: off)
+    dropout: float | None = None         # dropout after attention and FFN (0: none)
+    hf: str | None = None       # a Hugging Face directory: a Mixtral (trained as it is) or a dense
+                                # Llama / Mistral / Qwen2 (upcycled: every expert a copy of its
+                                # MLP); its config.json is the model, its weights (if any) the
+                                # start
 
     def __post_init__(self) -> None:
         _need(self.size in MODEL_SIZES, "model.size", self.size,
@@ -143,6 +146,8 @@ class DataSection:
 
     path: str = ""              # '' | text file | directory | saved HF dataset | token .bin;
                                 # comma-separated list ok
+    val_path: str = ""          # validation data, any kind data.path takes ('' -> nanoGPT's
+                                # val.bin beside train.bin, else held out of data.path)
     cache_dir: str = ""         # '' -> ~/.cache/moescale (tokenized corpora, joined .bin files)
     val_fraction: float = 0.05  # share of files (or of the tail of one file) held out
     tokenizer: str = ""         # '' -> bytes; a tokenizer.json, or a directory with it or with
@@ -168,14 +173,14 @@ class DataSection:
 class OptimSection:
     """AdamW and the learning-rate schedule (linear warmup, then decay to min_lr)."""
 
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 30
-    schedule: str = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 3e-3            # peak learning rate, reached after warmup_steps
+    min_lr: float = 3e-4        # the rate the schedule decays to
+    warmup_steps: int = 30      # steps of linear warmup from 0
+    schedule: str = "cosine"    # decay after warmup: cosine | linear | constant
+    weight_decay: float = 0.1   # AdamW decoupled weight decay (matrices only, not norms/biases)
+    beta1: float = 0.9          # AdamW first-moment decay
+    beta2: float = 0.95         # AdamW second-moment decay
+    eps: float = 1e-8           # AdamW denominator epsilon
     grad_clip: float = 1.0      # global norm; 0 disables clipping
 
     def __post_init__(self) -> None:
@@ -198,16 +203,16 @@ class OptimSection:
 class TrainSection:
     """The loop: length, batch shape, evaluation, checkpoints, precision, where to write."""
 
-    steps: int = DEFAULT_STEPS
-    batch_size: int = 16
-    seq_len: int = 128
+    steps: int = DEFAULT_STEPS  # optimizer steps in all (--resume: raise it to train further)
+    batch_size: int = 16        # sequences per micro-batch
+    seq_len: int = 128          # tokens per sequence
     grad_accum: int = 1          # micro-batches per optimizer step
     eval_interval: int = 100     # steps between validation losses (0: only at the end)
-    eval_batches: int = 8
+    eval_batches: int = 8        # validation batches per validation loss (the same each time)
     checkpoint_interval: int = 250   # steps between checkpoints (0: only at the end)
     keep_last: int = 2           # checkpoints kept
-    seed: int = 1234
-    precision: str = "fp32"
+    seed: int = 1234             # seeds the model init, the batches and sampling
+    precision: str = "fp32"      # fp32 | bf16 (autocast; the weights stay fp32)
     device: str = "auto"         # auto (cuda when present, else cpu) | cpu | cuda | cuda:N
     threads: int = 0             # torch threads (0: auto, the CPUs the load average leaves free)
     run_dir: str = ""            # '' -> runs/<timestamp>

@@ -15,6 +15,12 @@ against the vocabulary; several are joined once in the cache; its last `val_frac
 validation stream, as for a text corpus too small to split by file. The model's vocabulary is
 `data.vocab_size`, or (0) the tokenizer's, the sidecar's, or 256 for bytes.
 
+Validation data of their own: `data.val_path` (any kind data.path takes) is the whole
+validation stream and data.path the whole training stream; a data.path directory holding
+nanoGPT's `train.bin` and `val.bin` trains on train.bin only and validates on val.bin only
+(uint16 without a sidecar, as nanoGPT's prepare.py writes them; its `meta.pkl` gives the
+vocabulary size, and its character table becomes the run's tokenizer: `meta_tokenizer`).
+
 `TokenBatches` draws random windows from a `numpy` generator seeded by the run's seed; its state
 is plain JSON so checkpoints restore it exactly. Validation batches come from a fresh generator
 every time, so successive validation losses are measured on the same windows.
@@ -24,6 +30,7 @@ This file keeps no global state.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import sysconfig
@@ -36,8 +43,10 @@ import torch
 from moescale.train.config import DataSection
 from moescale.train.corpus import (Corpus, build_lock, content_key, dataset_corpus,
                                    is_saved_dataset, list_sources, text_corpus, tokenize_corpus)
-from moescale.train.token_files import bin_dtype, complete, copy_tokens, open_bin, scan_ids
-from moescale.train.tokenizer import ByteTokenizer, FileTokenizer, load_tokenizer
+from moescale.train.token_files import (bin_dtype, complete, copy_tokens, open_bin, read_sidecar,
+                                         scan_ids)
+from moescale.train.tokenizer import (ByteTokenizer, CharTokenizer, FileTokenizer, load_tokenizer,
+                                      read_meta)
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -50,7 +59,7 @@ class TokenData:
     val: np.ndarray
     vocab_size: int
     description: str
-    tokenizer: ByteTokenizer | FileTokenizer | None = ByteTokenizer()   # None: ids only
+    tokenizer: ByteTokenizer | FileTokenizer | CharTokenizer | None = ByteTokenizer()  # None: ids
 
 
 def stdlib_files() -> tuple[Path, list[str]]:
@@ -108,10 +117,31 @@ def _split_or_tail(train: np.ndarray, val: np.ndarray, cfg: DataSection):
     return _tail_split(tokens, cfg.val_fraction)
 
 
-def _from_text(cfg: DataSection, corpus: Corpus, tokenizer, cache: Path) -> TokenData:
+def _join(arrays: list[np.ndarray], final: Path, dtype: str, vocab: int | None) -> np.ndarray:
+    """Several token arrays as one memory-mapped file in the cache (joined once, in blocks)."""
+    arrays = [a for a in arrays if len(a)]
+    if len(arrays) == 1:
+        return arrays[0]
+    with build_lock(final):
+        if not complete(final):
+            copy_tokens(arrays, final, dtype, vocab)
+    return open_bin(final, dtype)
+
+
+def _from_text(cfg: DataSection, corpus: Corpus, tokenizer, cache: Path, whole: bool
+               ) -> TokenData:
     train_path, val_path = tokenize_corpus(corpus, tokenizer, cache, cfg.val_fraction)
     dtype, _ = bin_dtype(train_path, "")
-    train, val = _split_or_tail(open_bin(train_path, dtype), open_bin(val_path, dtype), cfg)
+    train, val = open_bin(train_path, dtype), open_bin(val_path, dtype)
+    if whole:        # all of it is one split (data.val_path gives the other)
+        train = _join([train, val], train_path.with_name(
+            train_path.name.replace(".train.bin", ".all.bin")), dtype, tokenizer.vocab_size)
+        val = train[:0]
+        if not len(train):
+            raise ValueError(f"data.path={cfg.path!r} holds no tokens (empty corpus); give "
+                             "non-empty text files")
+    else:
+        train, val = _split_or_tail(train, val, cfg)
     origin = f"data.tokenizer {tokenizer.path}" if tokenizer.path else "byte-level text"
     vocab = _model_vocab(cfg, tokenizer.vocab_size, origin, 0)
     desc = (f"{cfg.path or 'built-in corpus'} ({corpus.kind}; tokens: "
@@ -119,7 +149,8 @@ def _from_text(cfg: DataSection, corpus: Corpus, tokenizer, cache: Path) -> Toke
     return TokenData(train, val, vocab, desc, tokenizer)
 
 
-def _from_bins(cfg: DataSection, bins: list[Path], tokenizer, cache: Path) -> TokenData:
+def _from_bins(cfg: DataSection, bins: list[Path], tokenizer, cache: Path, whole: bool
+               ) -> TokenData:
     found = [bin_dtype(path, cfg.token_dtype) for path in bins]
     if len({dtype for dtype, _ in found}) > 1:
         raise ValueError(f"data.path={cfg.path!r} joins .bin files of different dtypes "
@@ -137,14 +168,8 @@ def _from_bins(cfg: DataSection, bins: list[Path], tokenizer, cache: Path) -> To
                              f"tokens but the sidecar of data.path={cfg.path!r} says "
                              f"vocab_size {data_vocab}; give the tokenizer these ids came from")
         data_vocab, origin = tokenizer.vocab_size, f"data.tokenizer {tokenizer.path}"
-    tokens = arrays[0]
-    if len(arrays) > 1:      # joined once in the cache, in blocks
-        files = [(str(i), path) for i, path in enumerate(bins)]
-        joined = cache / f"bins-{content_key(files, [dtype])}.bin"
-        with build_lock(joined):
-            if not complete(joined):
-                copy_tokens(arrays, joined, dtype, data_vocab, source=cfg.path)
-        tokens = open_bin(joined, dtype)
+    files = [(str(i), path) for i, path in enumerate(bins)]
+    tokens = _join(arrays, cache / f"bins-{content_key(files, [dtype])}.bin", dtype, data_vocab)
     low, top = scan_ids(tokens)
     if low < 0:
         raise ValueError(f"data.path={cfg.path!r} has token id {low} < 0 (as {dtype}); token "
@@ -155,7 +180,7 @@ def _from_bins(cfg: DataSection, bins: list[Path], tokenizer, cache: Path) -> To
         raise ValueError(f"data.path={cfg.path!r} has token id {top} >= the vocabulary size "
                          f"{vocab} ({source}); check data.token_dtype and the file, or raise "
                          "data.vocab_size")
-    train, val = _tail_split(tokens, cfg.val_fraction)
+    train, val = (tokens, tokens[:0]) if whole else _tail_split(tokens, cfg.val_fraction)
     if tokenizer is None and dtype == "uint8" and vocab == 256:
         tokenizer = ByteTokenizer()
     desc = (f"{cfg.path} (token .bin, {dtype}): {len(train):,} train / {len(val):,} "
@@ -163,13 +188,28 @@ def _from_bins(cfg: DataSection, bins: list[Path], tokenizer, cache: Path) -> To
     return TokenData(train, val, vocab, desc, tokenizer)
 
 
-def load_data(cfg: DataSection, cache_dir_default: str | Path) -> TokenData:
-    """Resolve `data.path` (and `data.tokenizer`) to train/validation token streams, memory-
-    mapped; ValueError on bad input."""
-    cache = Path(cfg.cache_dir or cache_dir_default).expanduser()
-    tokenizer = load_tokenizer(cfg.tokenizer)
+def nanogpt_dir(path: str) -> Path | None:
+    """The directory `data.path` names when it holds nanoGPT's train.bin and val.bin."""
+    folder = Path(path.strip()).expanduser() if path.strip() and "," not in path else None
+    if folder is not None and (folder / "train.bin").is_file() and (folder / "val.bin").is_file():
+        return folder
+    return None
+
+
+def meta_tokenizer(cfg: DataSection) -> str | None:
+    """nanoGPT's meta.pkl beside data.path's train.bin / val.bin when it maps characters
+    (stoi): the run's tokenizer when data.tokenizer is unset; None otherwise."""
+    folder = nanogpt_dir(cfg.path)
+    if cfg.tokenizer or folder is None or not (folder / "meta.pkl").is_file():
+        return None
+    return str((folder / "meta.pkl").absolute()) \
+        if isinstance(read_meta(folder / "meta.pkl").get("stoi"), dict) else None
+
+
+def _source(cfg: DataSection, tokenizer, cache: Path, whole: bool) -> TokenData:
+    """The tokens of data.path, split (or, `whole`, all in `train`)."""
     if not cfg.path:
-        return _from_text(cfg, builtin_corpus(), tokenizer, cache)
+        return _from_text(cfg, builtin_corpus(), tokenizer, cache, whole)
     paths = [Path(p.strip()).expanduser() for p in cfg.path.split(",") if p.strip()]
     for path in paths:
         if not path.exists():
@@ -181,13 +221,43 @@ def load_data(cfg: DataSection, cache_dir_default: str | Path) -> TokenData:
         if len(paths) > 1:
             raise ValueError(f"data.path={cfg.path!r} joins a saved dataset ({str(saved[0])!r}) "
                              "with other paths; give the dataset alone")
-        return _from_text(cfg, dataset_corpus(saved[0], cfg.text_column), tokenizer, cache)
+        return _from_text(cfg, dataset_corpus(saved[0], cfg.text_column), tokenizer, cache,
+                          whole)
     files, bins = list_sources(paths, cache)
     if bins and files:
         raise ValueError(f"data.path={cfg.path!r} mixes token .bin files and text; give one kind")
     if bins:
-        return _from_bins(cfg, bins, tokenizer if cfg.tokenizer else None, cache)
-    return _from_text(cfg, text_corpus(files, f"{len(files)} text files"), tokenizer, cache)
+        return _from_bins(cfg, bins, tokenizer if cfg.tokenizer else None, cache, whole)
+    return _from_text(cfg, text_corpus(files, f"{len(files)} text files"), tokenizer, cache,
+                      whole)
+
+
+def load_data(cfg: DataSection, cache_dir_default: str | Path) -> TokenData:
+    """Resolve `data.path` (and `data.tokenizer`, `data.val_path`) to train/validation token
+    streams, memory-mapped; ValueError on bad input. Validation comes from data.val_path, or
+    nanoGPT's val.bin when data.path is a directory holding train.bin and val.bin (train.bin
+    alone is trained on; a meta.pkl there gives the vocabulary size), else it is held out of
+    data.path."""
+    cache = Path(cfg.cache_dir or cache_dir_default).expanduser()
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    folder = nanogpt_dir(cfg.path)
+    if folder is None and not cfg.val_path:
+        return _source(cfg, tokenizer, cache, whole=False)
+    train_cfg = cfg
+    if folder is not None:
+        meta = read_meta(folder / "meta.pkl") if (folder / "meta.pkl").is_file() else {}
+        nano_dtype = "" if cfg.token_dtype or read_sidecar(folder / "train.bin") else "uint16"
+        train_cfg = dataclasses.replace(cfg, path=str(folder / "train.bin"),
+                                        token_dtype=cfg.token_dtype or nano_dtype,
+                                        vocab_size=cfg.vocab_size or meta.get("vocab_size", 0))
+    val_cfg = dataclasses.replace(train_cfg, path=cfg.val_path or str(folder / "val.bin"))
+    train = _source(train_cfg, tokenizer, cache, whole=True)
+    val = _source(val_cfg, tokenizer, cache, whole=True)
+    kind = train.tokenizer.describe() if train.tokenizer is not None else "token ids"
+    desc = (f"{train_cfg.path}: {len(train.train):,} train tokens; {val_cfg.path}: "
+            f"{len(val.train):,} validation tokens (tokens: {kind})")
+    return TokenData(train.train, val.train, max(train.vocab_size, val.vocab_size), desc,
+                     train.tokenizer)
 
 
 class TokenBatches:

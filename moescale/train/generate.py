@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     with open_run(args.run_dir, experts=args.experts, memory=memory, step=args.step,
                   device=resolve_device(args.device), batch=len(args.prompt)) as run:
         meter = GenerationMeter(run.model, run.engine)
-        texts = continuations(run.model, run_tokenizer(run.config), args.prompt, args.tokens,
+        texts = continuations(run.model, run_tokenizer(run.config, args.run_dir), args.prompt, args.tokens,
                               temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                               byte_ids=byte_text(run.config), on_token=meter.on_token)
         where = run.experts + (f" ({run.plan.describe()})" if run.plan else "")

@@ -22,8 +22,9 @@ into an ExpertStore (`offload_moe`) that the checkpoint's expert shards fill (di
 on the same filesystem by hard link: no expert passes through memory), so only the dense half
 is ever resident.
 
-`run_tokenizer(config)` is the run's text codec: `data.tokenizer` when the run recorded one
-(moescale.train.tokenizer), else None (byte-level ids).
+`run_tokenizer(config, run_dir)` is the run's text codec: `data.tokenizer` when the run recorded
+one (or the run's copy of it, RUN_DIR/tokenizer/, once the original is gone;
+moescale.train.tokenizer), else None (byte-level ids).
 """
 
 from __future__ import annotations
@@ -139,11 +140,10 @@ def load_run_offloaded(run_dir: str | Path, step: int | None, device: str | torc
     raise ValueError(f"no checkpoint of {str(run_dir)!r} has intact expert shards")
 
 
-def run_tokenizer(config: RunConfig):
-    """The run's tokenizer (`data.tokenizer`), or None for byte-level ids."""
-    path = getattr(config.data, "tokenizer", "") or ""
-    if not path:
-        return None
-    from moescale.train.tokenizer import load_tokenizer
+def run_tokenizer(config: RunConfig, run_dir: str | Path | None = None):
+    """The run's tokenizer (`data.tokenizer`, or the run's copy of it in RUN_DIR/tokenizer/
+    once the original is gone), or None for byte-level ids."""
+    from moescale.train.tokenizer import load_tokenizer, run_tokenizer_path
 
-    return load_tokenizer(path)
+    path = run_tokenizer_path(getattr(config.data, "tokenizer", "") or "", run_dir)
+    return load_tokenizer(path) if path else None

@@ -1,55 +1,61 @@
-"""The run's model: a named size with overrides, or `--model.hf DIR` (a Hugging Face MoE directory).
+"""The run's model: a named size with overrides, or `--model.hf DIR` (a Hugging Face directory).
 
 `model_config(config, vocab_size)` is the one place a run's GPTConfig is resolved (the trainer,
 the memory check, the exchange's expert count and `load_run` all ask it). Without `model.hf` it
-is `gpt_config(model.size, vocab, train.seq_len, **overrides)`. With `model.hf = DIR` it is the
-GPT computing what DIR/config.json's Mixtral computes (models/mixtral.py
+is `gpt_config(model.size, vocab, train.seq_len, **overrides)`. With `model.hf = DIR` holding a
+Mixtral it is the GPT computing what DIR/config.json's Mixtral computes (models/mixtral.py
 `gpt_config_of_mixtral`: vocabulary, max_position_embeddings as seq_len, rope theta, norm eps,
 tied or untied embeddings), with the HF_TUNABLE options (top_k, aux/z loss coefficients,
-dropout) applied; shape options given with model.hf are refused by the config itself. It is
-refused when the data's vocabulary is larger than the model's, when train.seq_len exceeds
-max_position_embeddings, or when the result could not be exported as Mixtral (top_k 1).
+dropout; num_experts only as the checkpoint's) applied, refused when the result could not be
+exported as Mixtral (top_k 1). With DIR holding a dense Llama / Mistral / Qwen2 it is the
+upcycled MoE of models/upcycle_hf.py: the dense config's shape with SwiGLU experts,
+model.num_experts (8 unless given) and top_k (2). Shape options given with model.hf are refused
+by the config itself. Both are refused when the data's vocabulary is larger than the model's
+or train.seq_len exceeds max_position_embeddings.
 
-Only Mixtral maps onto a moescale GPT (same attention, norms, rotary; moescale's topk router is
-Mixtral's softmax -> top-k -> renormalise). Qwen2-MoE and Qwen3-MoE have shared experts (and
-Qwen3 q/k norms), OLMoE q/k norms: a GPT cannot hold them, and they are refused naming
-moescale.models.from_hf, which fine-tunes them in a transformers loop.
+Mixtral and the dense Llama family map onto a moescale GPT (same attention, norms, rotary;
+moescale's topk router is Mixtral's softmax -> top-k -> renormalise). Qwen2-MoE and Qwen3-MoE
+have shared experts (and Qwen3 q/k norms), OLMoE q/k norms: a GPT cannot hold them, and they
+are refused naming moescale.models.from_hf, which fine-tunes them in a transformers loop;
+GPT-2 and BERT are refused naming moescale.moefy.
 
 `load_hf_weights(model, config)` fills the built GPT from DIR's safetensors (a config-only
-directory leaves the random init: training from scratch). Dense weights are loaded at once;
-experts built on the meta device (disk tier) are read one at a time through the model's
+directory leaves the random init: training from scratch); an upcycled model's experts are
+copies of the dense MLPs and its routers keep their random init. Dense weights are loaded at
+once; experts built on the meta device (disk tier) are read one at a time through the model's
 `expert_init` as offload_moe writes them to their files, so no layer's experts are all in
 memory. Expert-parallel ranks load the whole model, then keep their shard (the exchange).
 
-At the end of a finished run rank 0 writes the trained model to RUN_DIR/hf (`export_run`:
-load_run + export_mixtral, so every residency and rank count exports the same way), replacing
-an earlier export of the same run. The run directory keeps a copy of the source config.json
+At the end of a finished run rank 0 writes the trained model to RUN_DIR/hf (hf_export.py:
+load_run + export, so every residency and rank count exports the same way), replacing an
+earlier export of the same run. The run directory keeps a copy of the source config.json
 (RUN_DIR/hf_config.json), used when DIR is gone later (--resume, load_run). When DIR holds a
-tokenizer and data.tokenizer is unset, the run uses DIR's tokenizer (`adopt_tokenizer`).
+tokenizer and data.tokenizer is unset, the run uses DIR's tokenizer (`adopt_tokenizer`; a
+directory without one is said on stderr), as it adopts nanoGPT's meta.pkl character table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from moescale.models import gpt_config
 from moescale.models.gpt import GPT, GPTConfig
-from moescale.models.mixtral import (check_gpt, export_mixtral, gpt_config_of_mixtral,
+from moescale.models.mixtral import (check_gpt, gpt_config_of_mixtral,
                                      mixtral_expert, mixtral_state, open_mixtral)
+from moescale.models.upcycle_hf import (DENSE_FAMILIES, dense_expert, dense_state,
+                                        gpt_config_of_dense)
 from moescale.train.config import RunConfig
+from moescale.train.data import meta_tokenizer
 
-SUPPORTED = ("mixtral",)
+SUPPORTED = ("mixtral",) + DENSE_FAMILIES
+UPCYCLE_DEFAULTS = {"num_experts": 8, "top_k": 2}    # a dense source's MoE shape, unless given
 NO_GPT = {"qwen2_moe": "shared experts", "qwen3_moe": "q/k norms",
           "olmoe": "q/k norms or top-k weights left unnormalised"}
 CONFIG_COPY = "hf_config.json"
-EXPORT_DIR = "hf"
 _TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 
 
@@ -80,9 +86,10 @@ def hf_config_json(config: RunConfig, run_dir: str | Path | None = None) -> dict
     if kind not in SUPPORTED:
         why = f" (a moescale GPT has no {NO_GPT[kind]})" if kind in NO_GPT else ""
         raise ValueError(f"model.hf={str(src)!r} holds model_type={kind!r}{why}; --model.hf "
-                         f"trains {', '.join(SUPPORTED)}; fine-tune "
-                         "qwen2_moe / qwen3_moe / olmoe with transformers and "
-                         "moescale.models.from_hf (docs/models.md), or give a Mixtral directory")
+                         f"trains {', '.join(SUPPORTED)} (dense ones upcycled to an MoE); "
+                         "fine-tune qwen2_moe / qwen3_moe / olmoe with transformers and "
+                         "moescale.models.from_hf, and upcycle other dense models (GPT-2, "
+                         "BERT) with moescale.moefy in Python (docs/models.md)")
     return hf
 
 
@@ -97,9 +104,18 @@ def model_config(config: RunConfig, vocab_size: int, run_dir: str | Path | None 
         except ValueError as err:
             raise ValueError(f"model: {err}") from None
     try:
-        cfg = gpt_config_of_mixtral(hf_config_json(config, run_dir))
-        cfg = dataclasses.replace(cfg, **mc.overrides())     # HF_TUNABLE only (config.py)
-        check_gpt(cfg)
+        hf = hf_config_json(config, run_dir)
+        if hf["model_type"] in DENSE_FAMILIES:     # upcycled: the MoE shape is ours to pick
+            given = {**UPCYCLE_DEFAULTS, **mc.overrides()}
+            cfg = gpt_config_of_dense(hf, given["num_experts"], given["top_k"])
+            cfg = dataclasses.replace(cfg, **mc.overrides())
+        else:
+            cfg = gpt_config_of_mixtral(hf)
+            if mc.num_experts not in (None, cfg.num_experts):
+                raise ValueError(f"num_experts={mc.num_experts}, but the checkpoint has "
+                                 f"{cfg.num_experts} experts per layer; drop --model.num_experts")
+            cfg = dataclasses.replace(cfg, **mc.overrides())     # HF_TUNABLE only (config.py)
+            check_gpt(cfg)
     except ValueError as err:
         raise ValueError(f"model.hf={mc.hf!r}: {err}") from None
     if vocab_size > cfg.vocab_size:
@@ -131,23 +147,29 @@ def load_hf_weights(model: GPT, config: RunConfig) -> str:
     hf = config.model.hf
     if not weight_files(hf):
         return f"model.hf {hf}: config only, random initialisation"
-    _, tensors = open_mixtral(hf)
+    hf_json, tensors = open_mixtral(hf, model_types=SUPPORTED)
     cfg = model.config
     meta = any(p.is_meta for p in model.parameters())     # disk tier: experts go to files
-    state = mixtral_state(tensors, cfg, hf, experts=not meta)
+    dense = hf_json["model_type"] in DENSE_FAMILIES
+    state = (dense_state if dense else mixtral_state)(tensors, cfg, hf, experts=not meta)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if dense:       # upcycled: the routers keep their random init
+        missing = [k for k in missing if not k.endswith(".ffn.router.weight")]
     if meta:
         missing = [k for k in missing if ".ffn.experts." not in k]
 
         def expert_init(layer: int, e: int, layout):
-            values = mixtral_expert(tensors, layer, e, cfg.d_ff)
+            values = dense_expert(tensors, layer) if dense else \
+                mixtral_expert(tensors, layer, e, cfg.d_ff)
             return _flat(values, layout)
 
         model.expert_init = expert_init      # offload_moe's initial values: the checkpoint's
     if missing or unexpected:     # pragma: no cover - mixtral_state names a missing tensor
         raise ValueError(f"model.hf={hf!r} does not fill the model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    return f"model.hf {hf}: weights loaded ({len(weight_files(hf))} safetensors file(s))"
+    how = f"upcycled: every expert a copy of the dense MLP, {cfg.num_experts} experts top-" \
+        f"{cfg.top_k}" if dense else "weights loaded"
+    return f"model.hf {hf}: {how} ({len(weight_files(hf))} safetensors file(s))"
 
 
 def _flat(values: dict, layout) -> torch.Tensor:
@@ -155,14 +177,23 @@ def _flat(values: dict, layout) -> torch.Tensor:
 
 
 def adopt_tokenizer(config: RunConfig, err) -> None:
-    """Set data.tokenizer to model.hf's directory when it holds a tokenizer and data.tokenizer
-    is unset (noted on `err`); the run's config.toml records it."""
+    """Set data.tokenizer to model.hf's directory when it holds a tokenizer, or to nanoGPT's
+    meta.pkl beside data.path's train.bin / val.bin, when data.tokenizer is unset (noted on
+    `err`); the run's config.toml records it."""
+    meta = meta_tokenizer(config.data)
+    if meta is not None and config.model.hf is None:
+        config.data.tokenizer = meta
+        print(f"data.tokenizer: nanoGPT's character table ({meta})", file=err)
     hf = config.model.hf
     if hf is None or config.data.tokenizer:
         return
     if any(all((Path(hf) / f).is_file() for f in files) for files in _TOKENIZER_FILES):
         config.data.tokenizer = hf
         print(f"data.tokenizer: model.hf's own tokenizer ({hf})", file=err)
+    else:
+        print(f"data.tokenizer: model.hf ({hf}) holds no tokenizer (tokenizer.json or vocab.json "
+              "+ merges.txt) and --data.tokenizer is unset: training on UTF-8 byte ids 0-255; "
+              "give --data.tokenizer for the model's own vocabulary", file=err)
 
 
 def write_config_copy(run_dir: str | Path, config: RunConfig) -> None:
@@ -171,23 +202,3 @@ def write_config_copy(run_dir: str | Path, config: RunConfig) -> None:
 
     hf = hf_config_json(config, run_dir)
     atomic_write_json(Path(run_dir) / CONFIG_COPY, hf, indent=2)
-
-
-def export_run(run_dir: str | Path) -> Path:
-    """The run's newest checkpoint as a Mixtral directory RUN_DIR/hf (an earlier one replaced:
-    the new export is complete before the old one is removed)."""
-    from moescale.train.load_run import load_run
-
-    run_dir = Path(run_dir)
-    model, _ = load_run(run_dir)
-    final = run_dir / EXPORT_DIR
-    staged = Path(tempfile.mkdtemp(prefix=".hf-export.", dir=run_dir)) / EXPORT_DIR
-    try:
-        export_mixtral(model, staged)
-        if final.exists():
-            old = staged.parent / "old"
-            os.replace(final, old)
-        os.replace(staged, final)
-    finally:
-        shutil.rmtree(staged.parent, ignore_errors=True)
-    return final

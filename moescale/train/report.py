@@ -1,14 +1,15 @@
 """report.png of a run: loss curves, throughput, the training signals and the expert-load
 heatmap, from metrics.jsonl.
 
-Seven panels: train loss per step with validation loss points; tokens/s per step (and its
+Seven panels: train loss per step with validation loss points (log scale) and the learning
+rate (right axis); tokens/s per step (and its
 running median); the aux (balance) loss; the global gradient norm (log scale past a 10x
 range); the load imbalance, max/mean of each MoE layer's tokens per expert (the worst layer)
 and, with several devices, the modelled device load (and static placement's, under dynamic
 placement); the share of each step's time that compute waited for offloaded experts (wait_s
-over the step time; a note instead when the experts were resident); a heatmap of each
+over the step time; a note without axes when the experts were resident); a heatmap of each
 expert's share of its layer's routed tokens over the steps, one row per (MoE layer, expert),
-layers separated by lines (an evenly loaded layer is a flat colour at 1/E). Matplotlib with
+each row labelled with its expert up to 64 rows, layers separated by lines (an evenly loaded layer is a flat colour at 1/E). Matplotlib with
 the Agg backend, so it works without a display.
 
 This file reads metrics; it never touches the model or the training state.
@@ -82,8 +83,7 @@ def _signal_panels(axes, train: list[dict], steps: list[int]) -> None:
     else:
         ax.text(0.5, 0.5, "no waits: every expert resident on the device", ha="center",
                 va="center", transform=ax.transAxes)
-        ax.set_xlim(steps[0], steps[-1])
-        ax.set_yticks([])
+        ax.set_axis_off()        # a note, not an empty plot
     ax.set_title("expert wait (uploads, fences, disk reads)")
     ax.set_ylabel("% of step time")
     for ax in axes:
@@ -117,10 +117,17 @@ def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path | 
         ax.plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o-", ms=4,
                 label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("cross-entropy (nats/token, log scale)")
+    ax.set_yscale("log")       # the late, flat part of a run stays readable
     ax.set_title(f"loss — {run_dir.name}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [r.get("lr", float("nan")) for r in train], color="grey", lw=0.8,
+               ls="--", label="learning rate")
+    lr_ax.set_ylabel("learning rate")
+    lines = ax.get_legend_handles_labels()
+    more = lr_ax.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1])
 
     ax = axes[1]
     rates = [r.get("tokens_per_s", 0.0) for r in train]
@@ -152,6 +159,11 @@ def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path | 
         ax.set_yticks([layer * num_experts + (num_experts - 1) / 2
                        for layer in range(num_layers)])
         ax.set_yticklabels([f"MoE layer {layer}" for layer in range(num_layers)])
+        if num_layers * num_experts <= 64:      # each row's expert, where it stays legible
+            ax.set_yticks(range(num_layers * num_experts), minor=True)
+            ax.set_yticklabels([f"e{e}" for _ in range(num_layers) for e in range(num_experts)],
+                               minor=True, fontsize="x-small")
+            ax.tick_params(axis="y", which="major", pad=22)
         fig.colorbar(im, ax=ax, label=f"share of the layer's routed tokens (even = "
                                       f"{1 / num_experts:.3f})")
         ax.set_title(f"tokens per expert ({num_experts} experts per layer) over time")

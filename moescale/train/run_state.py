@@ -32,6 +32,7 @@ import torch
 
 from moescale.expert_state import (SHARDS_PREFIX, expert_parameters, expert_state_keys,
                                    load_expert_shards, save_expert_shards, shards_dir)
+from moescale.models.resident import dense_state_dict
 from moescale.train.checkpoint import list_checkpoints, nonfinite, optimizer_from_flat
 from moescale.train.legacy_state import LegacyState
 
@@ -74,7 +75,7 @@ class RunState:
         """(tensors: `model.<name>` and `optim.<name>.<key>` of the dense half, the
         optimizer's JSON-able rest: its groups' hyper-parameters and parameter names)."""
         skip = expert_state_keys(self.model)
-        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items() if k not in skip}
+        tensors = {f"model.{k}": v for k, v in dense_state_dict(self.model).items() if k not in skip}
         names, experts = self._names()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         sd = self.optimizer.state_dict()

@@ -23,8 +23,9 @@ def auto_threads(ranks: int = 1) -> tuple[int, str]:
     """Threads for `train.threads = 0`: the CPUs left free by the current load average.
 
     On a busy machine torch's default (one thread per core) is far slower than fewer threads:
-    every parallel region waits for all its threads to be scheduled. The choice is written
-    into the run's config.toml, so a resumed run uses the same count (and the same floats)."""
+    every parallel region waits for all its threads to be scheduled. The choice is recorded
+    in each checkpoint (config.toml keeps 0, so --config of it chooses again), so a resumed run
+    uses the same count (and the same floats)."""
     cpus = max(1, thread_budget() // ranks)     # torch's count, at most the usable CPUs
     try:
         load = os.getloadavg()[0]

@@ -50,7 +50,7 @@ from pathlib import Path
 import tomli_w
 import torch
 
-from moescale.atomic import atomic_write_json, atomic_write_text
+from moescale.atomic import atomic_write_text
 from moescale.layers.moe import MoE
 from moescale.models import GPT
 from moescale.offload.checkpoint import StoreCheckpointError
@@ -62,6 +62,7 @@ from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_ch
 from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
+from moescale.train.hf_export import end_of_run_export
 from moescale.train import model as run_model
 from moescale.train.limits import check_budget, check_memory, check_run_dir, check_threads
 from moescale.train.metrics import MetricsLog
@@ -70,6 +71,7 @@ from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.gen_stats import GenerationMeter
 from moescale.train.summary import imbalance, peak_rss_bytes, postfix_text, summarise
 from moescale.train.threads import auto_threads, torch_threads
+from moescale.train.tokenizer import keep_copy
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
 
@@ -108,6 +110,7 @@ class Trainer:
         if not self.writer:
             self.out = self.err = open(os.devnull, "w")
         self.threads_note = "set by train.threads"
+        self.threads_auto = tc.threads == 0     # config.toml keeps 0; checkpoints the choice
         if tc.threads == 0:
             tc.threads, self.threads_note = auto_threads(self.ranks.world_size)
         with torch_threads(tc.threads):           # building is torch work too (threads.py)
@@ -174,8 +177,10 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------
     def _write_config(self) -> None:
         """config.toml: the run's options with the model's resolved shape (each model option
-        the size left unset, as the built model has it) and the run directory; the run's own
-        config object is left as given."""
+        the size left unset, as the built model has it), train.run_dir left '' (resume names
+        the directory; --config this file starts a new one), train.threads 0 when chosen
+        automatically (the checkpoints record the choice for --resume); the config object is
+        left as given. A file-based tokenizer is copied into RUN_DIR/tokenizer/."""
         tree = to_dict(self.config)
         mc = self.model.config
         if self.config.model.hf is None:     # else: the shape is model.hf's (a copy here)
@@ -183,7 +188,9 @@ class Trainer:
                                   ModelSection.shape_fields() if getattr(mc, name) is not None})
         else:
             run_model.write_config_copy(self.run_dir, self.config)
-        tree["train"]["run_dir"] = str(self.run_dir)
+        tree["train"]["run_dir"] = ""     # --config this file: a new run in a new directory
+        tree["train"]["threads"] = 0 if self.threads_auto else tree["train"]["threads"]
+        keep_copy(self.data.tokenizer, self.run_dir)      # RUN_DIR/tokenizer/: movable runs
         text = "# resolved configuration of this run (moescale train --config this file)\n"
         text += tomli_w.dumps(tree)
         atomic_write_text(self.run_dir / "config.toml", text)
@@ -208,6 +215,9 @@ class Trainer:
             reason = str(error).splitlines()[0] if error else "another rank's experts failed"
             warn(f"warning: {reason}; trying the previous checkpoint")
         self.step = int(state["step"])
+        if self.threads_auto:     # the count the run chose (the same floats), not a new choice
+            self.config.train.threads = state["config"]["train"].get("threads") or \
+                self.config.train.threads
         self.batches.load_state(state["data_rng"])
         torch.set_rng_state(tensors["rng.torch"])
         if self.device.type == "cuda" and "rng.cuda" in tensors:
@@ -410,8 +420,8 @@ class Trainer:
         if self.writer:
             self.summary = summarise(self, train_time, train_tokens,
                                      time.perf_counter() - start, last_ckpt, sample, memory)
-            if self.config.model.hf is not None and self.step == tc.steps:
-                self._export_hf()     # after the summary: its peak memory is training's
+            if self.step == tc.steps:     # after the summary: its peak memory is training's
+                end_of_run_export(self.run_dir, self.summary, self.out, self.params.total)
         if self.stop_requested:
             print(f"interrupted at step {self.step}/{tc.steps}; checkpoint {last_ckpt}\n"
                   f"continue with: moescale train --resume {self.run_dir}", file=self.out)
@@ -419,13 +429,6 @@ class Trainer:
         return 0
 
     # -- end of run ----------------------------------------------------------------------
-    def _export_hf(self) -> None:
-        """model.hf runs: the final checkpoint in HF format, RUN_DIR/hf, noted in summary.json."""
-        self.summary["hf_export"] = str(run_model.export_run(self.run_dir))
-        atomic_write_json(self.run_dir / "summary.json", self.summary)
-        print(f"hf export:    {self.summary['hf_export']} (transformers: "
-              "MixtralForCausalLM.from_pretrained)", file=self.out)
-
     def sample(self, prompt: str = "def ", temperature: float = 0.8) -> str:
         """The end-of-run sample (KV-cached; offloaded experts stream per token); its
         figures (gen_stats.py) are kept in self.sample_meter for the summary."""

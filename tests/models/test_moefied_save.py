@@ -71,3 +71,18 @@ def test_refusals(tmp_path):
     gpt2().save_pretrained(tmp_path / "dense")
     with pytest.raises(ValueError, match="not a save_moefied directory"):
         load_moefied(tmp_path / "dense")
+
+
+def test_save_pretrained_of_a_moefied_model_refuses_naming_the_faithful_savers(tmp_path):
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4)).eval()
+    model = moescale.moefy(llama, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="save_moefied.*export_mixtral"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    save_moefied(model, tmp_path / "safe")
+    with torch.no_grad():
+        assert torch.equal(load_moefied(tmp_path / "safe")(IDX).logits, model(IDX).logits)
+

@@ -89,11 +89,12 @@ def test_export_writes_mixtral_that_transformers_loads_with_equal_logits(residen
 
 
 @pytest.mark.slow
-def test_export_refuses_a_run_without_mixtral_shape(corpus, tmp_path, capsys):
+def test_export_as_mixtral_refuses_a_run_without_mixtral_shape(corpus, tmp_path, capsys):
     train(corpus, tmp_path / "gelu", steps=1, every=1)       # the default: GELU experts
-    assert cli.main(["export", str(tmp_path / "gelu"), str(tmp_path / "out")]) == 2
+    assert cli.main(["export", str(tmp_path / "gelu"), str(tmp_path / "out"),
+                     "--format", "mixtral"]) == 2
     err = capsys.readouterr().err
-    assert "glu=False" in err and "--model.glu true" in err
+    assert "glu=False" in err and "--model.glu true" in err and "--format moescale" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -129,3 +129,27 @@ def test_report_draws_the_signal_panels(tmp_path):
 
     with Image.open(out) as image:
         assert image.size == (1170, 1350)   # 13 x 15 in at 90 dpi: the 3 x 2 grid + heatmap
+
+
+@pytest.mark.slow
+def test_report_axes_log_loss_with_lr_labelled_experts_and_no_empty_wait_box(tmp_path,
+                                                                               monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    records = [{"kind": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3 * s, "tokens": 512,
+                "tokens_per_s": 1000.0, "wait_s": 0.0, "tokens_per_expert": [[3, 1], [2, 2]]}
+               for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_report(tmp_path)
+    (fig,) = figures
+    loss_ax = fig.axes[0]
+    assert loss_ax.get_yscale() == "log"
+    lr_ax = next(a for a in fig.axes if a.get_ylabel() == "learning rate")
+    assert list(lr_ax.lines[0].get_ydata()) == [1e-3 * s for s in range(1, 6)]
+    wait_ax = next(a for a in fig.axes if a.get_title().startswith("expert wait"))
+    assert not wait_ax.axison
+    heat = next(a for a in fig.axes if a.get_title().startswith("tokens per expert"))
+    assert [t.get_text() for t in heat.get_yticklabels(minor=True)] == ["e0", "e1", "e0", "e1"]
+    plt.close(fig)
