@@ -19,9 +19,8 @@ from moescale.bench.measure import COMMITTED, result_path
 from moescale.train.config import _options, _section_types
 from moescale.train.field_docs import field_docs
 
-# `bench offload-disk` is being rewritten elsewhere; its options are counted once it lands
 COMMANDS = [[c] for c in cli.SUBCOMMANDS if c not in ("train", "bench")] + \
-    [["bench", b] for b in BENCHMARKS if b != "offload-disk"]
+    [["bench", b] for b in BENCHMARKS]
 
 
 def help_parsers(monkeypatch, capsys, argv) -> list[argparse.ArgumentParser]:

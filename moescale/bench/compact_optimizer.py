@@ -11,7 +11,7 @@ of `--params` parameters with a fresh gradient:
   a dependency: `pip install bitsandbytes torchao` to compare; torchao compiles its step with
   torch.compile on first use, which is excluded from the timing).
 Reports milliseconds per step and nanoseconds per parameter; writes
-benchmarks/results/compact_optimizer_<hardware>.json with the CPU flags.
+runs/bench/<time>/compact_optimizer_<hardware>.json (or --out) with the CPU flags.
 
 Deliberately not here: the disk tier's bytes (bench offload-disk), quality (bench state-quality).
 """
@@ -22,12 +22,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from moescale.bench.disk_probe import cpu_flags
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.bench.offload_disk import parse_formats
 
 
@@ -36,11 +35,13 @@ def _parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--params", type=int, default=2 * 1024 * 4096, help="parameters of the "
                    "expert (default: d_model 1024, d_ff 4096, the past-RAM benchmark's)")
-    p.add_argument("--formats", default="fp32+fp32,bf16+int8,fp32+int8,bf16+bf16")
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--formats", default="fp32+fp32,bf16+int8,fp32+int8,bf16+bf16",
+                   help="moescale's state formats to time, MASTER+MOMENTS comma-separated")
+    p.add_argument("--repeats", type=int, default=9, help="timed interleaved rounds")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the host optimizer "
                    "shares the cores with compute and I/O in a step)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="the JSON (default: runs/bench/<time>/"
+                   "compact_optimizer_<hardware>.json)")
     return p
 
 
@@ -123,8 +124,7 @@ def main(argv=None) -> int:
         print(f"{name:<44} {r['median_ms']:>10.1f} {r['min_ms']:>8.1f} {r['max_ms']:>8.1f} "
               f"{r['ns_per_param']:>9.2f}")
     tag = hardware_tag(torch.device("cpu"))
-    out = Path(args.out) if args.out else \
-        Path("benchmarks/results") / f"compact_optimizer_{tag}.json"
+    out = result_path(args.out, f"compact_optimizer_{tag}.json")
     write_json(out, dict(benchmark="compact-optimizer", hardware=tag, cpu_flags=cpu_flags(),
                          config=vars(args), results=rows))
     print(f"wrote {out}")

@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default="1GiB", help="host memory for the model (dense, KV "
                    "cache, device copies, host cache), e.g. 1GiB")
     p.add_argument("--tokens", type=int, default=100, help="tokens to generate")
-    p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=8, help="length of the random prompt "
+                   "(token ids)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature "
                    "(seeded; 0: greedy, which makes a random model repeat one token)")
     p.add_argument("--recompute", action="store_true", help="also generate as before the KV "

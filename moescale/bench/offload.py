@@ -68,7 +68,7 @@ def training_step(model, x, opt, engine=None, autocast_bf16: bool = False) -> fl
     opt.zero_grad(set_to_none=True)
     if engine is not None:
         engine.synchronize()
-    return float(loss)
+    return loss.item()
 
 
 def _parser() -> argparse.ArgumentParser:

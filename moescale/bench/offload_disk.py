@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from moescale.bench import disk_probe
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.bench.offload import MoEStack, training_step
 from moescale.bench.offload_disk_report import print_run, summarise, targets
 from moescale.offload.direct_io import CHUNK_BYTES
@@ -60,21 +60,24 @@ GIB = 1 << 30
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moescale bench offload-disk",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--d-ff", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=2, help="MoE layers of the stack")
+    p.add_argument("--d-model", type=int, default=1024, help="model width")
+    p.add_argument("--d-ff", type=int, default=4096, help="expert hidden width")
     p.add_argument("--experts", type=int, default=32, help="experts per layer (ignored with "
                    "--past-ram)")
     p.add_argument("--past-ram", type=float, default=None, metavar="X", help="size the "
                    "experts so that the expert state is X times the physical RAM")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--host-cache-gb", type=float, default=1.0)
-    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--host-cache-gb", type=float, default=1.0, help="the disk tier's host "
+                   "cache of expert records, GiB (its real host memory)")
+    p.add_argument("--io-threads", type=int, default=4, help="disk reader and writer threads "
+                   "each")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the simulated "
                    "device; cuda: pinned slots, side-stream uploads, direct reads into pinned "
                    "memory")
-    p.add_argument("--device-budget-experts", type=float, default=3)
+    p.add_argument("--device-budget-experts", type=float, default=3, help="device budget in "
+                   "experts (compute-precision copies)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--probe-gb", type=float, default=2.0, help="size of each bandwidth probe")
     p.add_argument("--dir", default=None, help="where the expert files go (default: a temp "
@@ -84,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--formats", default="fp32+fp32,bf16+int8", help="expert state formats to "
                    "run back to back on the same experts, each MASTER+MOMENTS (master fp32 | "
                    "bf16, moments fp32 | bf16 | int8), comma-separated")
-    p.add_argument("--out", default=None, help="the JSON result (default: benchmarks/results/"
+    p.add_argument("--out", default=None, help="the JSON result (default: runs/bench/<time>/"
                    "offload_disk_<hardware>.json)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--format", default="fp32+fp32", help=argparse.SUPPRESS)   # the child's
@@ -247,7 +250,8 @@ def _child(args) -> dict:
                 expert_state_bytes=16 * expert_params,
                 expert_params=expert_params, record_bytes=geo.total,
                 files_bytes=args.layers * args.experts * geo.total,
-                master_row_bytes=master_row, state_row_bytes=state_rows, init_seconds=init_s, steps=steps, probes=probes,
+                master_row_bytes=master_row, state_row_bytes=state_rows, init_seconds=init_s,
+                steps=steps, probes=probes,
                 direct_io=direct, compute_resident_2experts_s=compute_s,
                 host_adam_params_per_s=adam_rate, peak_host_cache_bytes=peak_cache,
                 device_peak_bytes=device_peak, device_budget_bytes=device_budget,
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
               f"{s['step_median_s'] / base['step_median_s']:>12.3f} "
               f"{100 * s['optimizer_share_of_step']:>14.0f}%")
     tag = hardware_tag(torch.device(args.device))
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"offload_disk_{tag}.json"
+    out = result_path(args.out, f"offload_disk_{tag}.json")
     write_json(out, dict(benchmark="offload-disk", hardware=tag, cpu_flags=disk_probe.cpu_flags(),
                          physical_ram_bytes=ram,
                          config={k: v for k, v in vars(args).items() if k not in ("child",

@@ -9,9 +9,10 @@ the seed-to-seed spread of fp32 beside it (a lossy format is judged against the 
 exact one). Runs already complete in the output folder are reused (a run directory holds its
 metrics), so an interrupted comparison continues.
 
-Writes benchmarks/results/state_quality_<hardware>_<steps>.json (per run the validation curve,
-final validation loss, train loss of the last 20 steps, wall time; per format the mean and the
-difference to fp32 in %) and a PNG of the validation curves (fp32 solid, compact dashed).
+Writes runs/bench/<time>/state_quality_<hardware>_<steps>.json or --out (per run the
+validation curve, final validation loss, train loss of the last 20 steps, wall time; per format
+the mean and the difference to fp32 in %) and a PNG of the validation curves (fp32 solid,
+compact dashed).
 
 Deliberately not here: the formats themselves (offload/state_format.py), the disk tier's bytes
 (bench offload-disk).
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from moescale.bench.disk_probe import cpu_flags
-from moescale.bench.measure import hardware_tag, write_json
+from moescale.bench.measure import hardware_tag, result_path, write_json
 
 DEFAULT_FORMATS = "fp32+fp32,bf16+int8,fp32+int8,bf16+bf16,fp32+bf16,bf16+fp32"
 
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default="runs/state-quality", help="where the run "
                    "directories go (complete runs there are reused)")
     p.add_argument("--extra", default="", help="more `moescale train` options, one string")
-    p.add_argument("--out", default=None, help="the JSON (default: benchmarks/results/"
+    p.add_argument("--out", default=None, help="the JSON (default: runs/bench/<time>/"
                    "state_quality_<hardware>_<steps>.json); the plot beside it")
     return p
 
@@ -144,8 +145,7 @@ def main(argv=None) -> int:
     if spread is not None:
         print(f"seed-to-seed spread of {formats[0]}: {spread:.2f}% (max - min over the mean)")
     tag = hardware_tag(torch.device("cpu"))
-    out = Path(args.out) if args.out else \
-        Path("benchmarks/results") / f"state_quality_{tag}_{args.steps}.json"
+    out = result_path(args.out, f"state_quality_{tag}_{args.steps}.json")
     write_json(out, dict(benchmark="state-quality", hardware=tag, cpu_flags=cpu_flags(),
                          config=vars(args), runs=runs, summary=summary,
                          reference_seed_spread_pct=spread))
