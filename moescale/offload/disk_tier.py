@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moescale.offload.direct_io import DirectIO, SlotPool, align_up, chunk_sums, gather
-from moescale.offload.records import (POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER,
-                                      STATE, G, rows_of, runs_of)
+from moescale.offload.direct_io import DirectIO, SlotPool, align_up, gather
+from moescale.offload.record_files import write_layer_files
+from moescale.offload.records import POS_GRAD, STATE, G, rows_of, runs_of
 from moescale.offload.schedule import AccessSchedule
 from moescale.offload.state_format import RecordGeometry, StateFormat
 
@@ -115,36 +115,14 @@ class DiskTier:
         return len(self.numels) - 1
 
     def add_layer(self, numel: int, num_experts: int, init) -> None:
-        """Write the layer's files: init(e) as the master (None: zero, not written), zero
-        moments (a sparse tail). Files a previous run left there are unlinked first, never
-        written over (a checkpoint may hold links to them)."""
+        """Write the layer's files (record_files.py: init(e) as the master, None: zero and
+        unwritten; zero moments as a sparse tail; a previous run's files unlinked first)."""
         layer = self.register_layer(numel)
-        geo = self.geometries[layer]
-        os.makedirs(self._layer_dir(layer), exist_ok=True)
-        for name in os.listdir(self._layer_dir(layer)):   # a previous run's files: a
-            if name.startswith("expert") and name.endswith(".bin"):   # checkpoint may link
-                os.unlink(os.path.join(self._layer_dir(layer), name))   # them: never reuse
-        staging = SlotPool(1, geo.strides[POS_MASTER])
-        row_u8 = staging.slots[0]
-        row_P = geo.typed(row_u8, POS_MASTER)     # fp32, or bf16 (rounded to nearest)
-        zeros = {pos: chunk_sums(torch.zeros(geo.strides[pos], dtype=torch.uint8),
-                                 self.io.chunk_bytes) for pos in (POS_EXP_AVG, POS_EXP_AVG_SQ)}
-        try:
-            for e in range(num_experts):
-                key = (layer, e)
-                master_P = init(e)
-                if master_P is None:     # a zero master left unwritten (a sparse file):
-                    sums = chunk_sums(torch.zeros(geo.strides[POS_MASTER], dtype=torch.uint8),
-                                      self.io.chunk_bytes)   # the caller adopts or writes it
-                    open(self.path(key), "xb").close()
-                else:
-                    row_P.copy_(master_P)
-                    sums = self.io.write(self.path(key), 0, row_u8, create=True).result()
-                os.truncate(self.path(key), geo.total)
-                self.sums[key] = {POS_MASTER: sums, **zeros}
-                self.gen[key] = 0
-        finally:
-            staging.close()
+        for e, sums in enumerate(write_layer_files(
+                self.io, self._layer_dir(layer), lambda e: self.path((layer, e), 0),
+                self.geometries[layer], num_experts, init)):
+            self.sums[(layer, e)] = sums
+            self.gen[(layer, e)] = 0
 
     def _ensure_pool(self) -> None:
         if self.pool is not None:

@@ -10,6 +10,7 @@ import torch
 
 import moescale
 from moescale.expert_state import load_expert_shards, save_expert_shards
+from moescale.models.resident import dense_state_dict
 from moescale.offload import OffloadConfig, offload_moe
 
 FORMATS = [("bf16", "int8"), ("fp32", "int8"), ("bf16", "bf16"), ("fp32", "bf16")]
@@ -74,7 +75,7 @@ def resumed_bitwise(tmp_path, tier, save, load) -> bool:
     model, opt, engine = build(tmp_path, tier, "bf16", "int8")
     train(model, opt, engine, 3)
     saved = save(model, opt, engine)
-    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    dense = {k: v.clone() for k, v in dense_state_dict(model).items()}
     dense_opt = copy.deepcopy(opt.state_dict())
     rest = train(model, opt, engine, 3, first=3)
     engine.close()
