@@ -57,6 +57,7 @@ def test_host_and_disk_tiers_train_bitwise_alike(tmp_path, master, moments):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_every_format_tracks_fp32_state(tmp_path):
     model, opt, engine = build(tmp_path, "host", "fp32", "fp32")
     exact = train(model, opt, engine, 8)
@@ -88,7 +89,7 @@ def resumed_bitwise(tmp_path, tier, save, load) -> bool:
     return again == rest
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier", [pytest.param("host", marks=pytest.mark.slow), "disk"])
 def test_expert_shards_resume_bitwise(tmp_path, tier):
     def save(model, opt, engine):
         return save_expert_shards(model, str(tmp_path), rank=0, tag="00000003", optimizer=opt,
@@ -100,6 +101,7 @@ def test_expert_shards_resume_bitwise(tmp_path, tier):
     assert resumed_bitwise(tmp_path, tier, save, load)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_store_checkpoint_resumes_bitwise(tmp_path, tier):
     ckpt = tmp_path / "ckpt"
