@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
@@ -67,16 +66,6 @@ def parser() -> Parser:
                    help="torch threads; 0: the CPUs the load leaves free, as train.threads "
                         "(default 0)")
     return p
-
-
-def byte_text(config) -> bool:
-    """Whether a run's ids are the bytes of its text: no data.tokenizer and text data, not
-    token .bin files (its model's vocabulary may still be larger: model.hf, data.vocab_size)."""
-    if config.data.tokenizer:
-        return False
-    paths = [Path(p.strip()).expanduser() for p in config.data.path.split(",") if p.strip()]
-    return not any(p.suffix == ".bin" or (p.is_dir() and next(p.rglob("*.bin"), None))
-                   for p in paths)
 
 
 def continuation(model, tokenizer, prompt: str, tokens: int, *, temperature: float,
@@ -137,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from moescale.sizes import parse_size
     from moescale.train.gen_stats import GenerationMeter
     from moescale.train.limits import check_threads
-    from moescale.train.load_run import run_tokenizer
+    from moescale.train.load_run import byte_text, run_tokenizer
     from moescale.train.streamed import open_run
     from moescale.train.threads import auto_threads
     from moescale.train.trainer import resolve_device

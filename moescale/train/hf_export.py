@@ -84,8 +84,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
                fmt: str = "auto") -> tuple[Path, str]:
     """Write RUN_DIR's model + tokenizer + generation config to the new directory `out`;
     returns (out, description)."""
-    from moescale.train.generate import byte_text
-    from moescale.train.load_run import load_run, run_tokenizer
+    from moescale.train.load_run import byte_text, load_run, run_tokenizer
 
     try:
         import transformers  # noqa: F401

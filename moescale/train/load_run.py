@@ -140,6 +140,16 @@ def load_run_offloaded(run_dir: str | Path, step: int | None, device: str | torc
     raise ValueError(f"no checkpoint of {str(run_dir)!r} has intact expert shards")
 
 
+def byte_text(config) -> bool:
+    """Whether a run's ids are the bytes of its text: no data.tokenizer and text data, not
+    token .bin files (its model's vocabulary may still be larger: model.hf, data.vocab_size)."""
+    if config.data.tokenizer:
+        return False
+    paths = [Path(p.strip()).expanduser() for p in config.data.path.split(",") if p.strip()]
+    return not any(p.suffix == ".bin" or (p.is_dir() and next(p.rglob("*.bin"), None))
+                   for p in paths)
+
+
 def run_tokenizer(config: RunConfig, run_dir: str | Path | None = None):
     """The run's tokenizer (`data.tokenizer`, or the run's copy of it in RUN_DIR/tokenizer/
     once the original is gone), or None for byte-level ids."""
