@@ -27,7 +27,7 @@ import torch
 
 from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import hardware_tag, result_path, write_json
-from moescale.bench.offload_disk import parse_formats
+from moescale.offload.state_format import parse_formats
 
 
 def _parser() -> argparse.ArgumentParser:

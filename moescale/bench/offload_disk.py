@@ -52,7 +52,7 @@ from moescale.bench.offload import MoEStack, training_step
 from moescale.bench.offload_disk_report import print_run, summarise, targets
 from moescale.offload.direct_io import CHUNK_BYTES
 from moescale.offload.records import POS_GRAD, POS_MASTER
-from moescale.offload.state_format import RecordGeometry, StateFormat
+from moescale.offload.state_format import RecordGeometry, StateFormat, parse_formats
 
 GIB = 1 << 30
 
@@ -92,17 +92,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--format", default="fp32+fp32", help=argparse.SUPPRESS)   # the child's
     return p
-
-
-def parse_formats(text: str) -> list[StateFormat]:
-    """'fp32+fp32,bf16+int8' -> StateFormats; ValueError naming a bad entry."""
-    out = []
-    for item in text.split(","):
-        master, plus, moments = item.strip().partition("+")
-        if not plus:
-            raise ValueError(f"--formats entry {item!r} is not MASTER+MOMENTS (e.g. bf16+int8)")
-        out.append(StateFormat(master=master, moments=moments))
-    return out
 
 
 def _format_of(text: str) -> StateFormat:

@@ -49,11 +49,10 @@ import torch
 from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import COMMITTED, hardware_tag, result_path, write_json
 from moescale.bench.offload import MoEStack, training_step
-from moescale.bench.offload_disk import parse_formats
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.planner import Budgets, ModelSpec, disk_traffic, estimate
 from moescale.offload.rates import RateProbes, device_io_bytes
-from moescale.offload.state_format import StateFormat
+from moescale.offload.state_format import StateFormat, parse_formats
 
 GIB = 1 << 30
 CONFIGS = {  # name: (tier, layers, d_model, d_ff, experts, tokens)

@@ -90,6 +90,17 @@ class StateFormat:
         return _ITEMSIZE[self.master] + 2 * moment
 
 
+def parse_formats(text: str) -> list[StateFormat]:
+    """'fp32+fp32,bf16+int8' -> StateFormats; ValueError naming a bad entry."""
+    out = []
+    for item in text.split(","):
+        master, plus, moments = item.strip().partition("+")
+        if not plus:
+            raise ValueError(f"format {item!r} is not MASTER+MOMENTS (e.g. bf16+int8)")
+        out.append(StateFormat(master=master, moments=moments))
+    return out
+
+
 class RecordGeometry:
     """Byte offsets of a record's rows (each padded to `align` bytes) for numel parameters."""
 
