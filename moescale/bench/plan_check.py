@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     tag = hardware_tag(torch.device("cpu"))
     out = result_path(args.out, f"plan_check_{tag}.json")
-    previous = Path(args.previous) if args.previous else COMMITTED / f"plan_check_{tag}.json"
+    previous = Path(args.previous) if args.previous else \
+        out if args.out else COMMITTED / f"plan_check_{tag}.json"   # the file it replaces
     before = {r["config"]: r for r in json.loads(previous.read_text())["results"]} \
         if previous.exists() else {}
     cache = int(args.host_cache_gb * GIB)
