@@ -238,7 +238,10 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
                                 "expert compute": mb * flops / expert_rate})
     used = min(E, m.tokens * m.top_k)
     slots = (2 + lookahead) * copy_bytes + copy_bytes   # rotating slots + one gradient
-    host_state = L * E * sum(m.state.row_bytes(pos, P) for pos in range(4))
+    # the host store's records: fp32 ones keep their gradient row; a compact one holds an
+    # expert's gradient from its backward to its step (all of them at once when deferred)
+    grad_kept = m.state.exact or step_mode == "deferred" or m.micro_batches > 1
+    host_state = L * E * sum(m.state.row_bytes(pos, P) for pos in range(3 + grad_kept))
     parts = dict(compute_s=compute)
     if mode == "device":
         device, host, disk = dense + L * E * state_bytes, 0, 0

@@ -4,8 +4,8 @@ setting (ordered device < pin <= host < disk), the pick, and the `moescale plan`
 import pytest
 
 from moescale.offload.plan_cli import main
-from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, estimate,
-                                      largest_experts, plan)
+from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, disk_traffic,
+                                      estimate, largest_experts, plan)
 
 GB = 1 << 30
 ESMOE = dict(moe_layers=24, d_model=1536, d_ff=6144, top_k=2, tokens=8192)
@@ -202,3 +202,26 @@ def test_measured_rates_are_medians_of_warm_samples(tmp_path):
         rates.samples["disk_read_bytes_per_s"])
     assert rates.h2d_bytes_per_s == rates.d2h_bytes_per_s > 0
     assert list(tmp_path.iterdir()) == []          # the probe file is gone
+
+
+def test_compact_formats_count_their_bytes():
+    """The planner counts a format's rows: per eager step the forward's master reads, the
+    state rows read and written (bf16 + int8: 10.06 bytes per parameter, fp32: 28), and a compact
+    host store without its gradient rows between eager steps."""
+    base = dict(moe_layers=2, d_model=1024, d_ff=4096, num_experts=64, tokens=4096,
+                dtype="float32")
+    params = 2 * 64 * 2 * 1024 * 4096
+    per_param = {}
+    for master, moments in (("fp32", "fp32"), ("bf16", "int8"), ("fp32", "int8")):
+        spec = ModelSpec(**base, master=master, moments=moments)
+        read, written = disk_traffic(spec, 0)
+        per_param[master, moments] = (read + written) / params
+    assert per_param["fp32", "fp32"] == pytest.approx(28.0, rel=1e-3)
+    assert per_param["bf16", "int8"] == pytest.approx(10.06, rel=2e-3)
+    assert per_param["fp32", "int8"] == pytest.approx(16.06, rel=2e-3)
+    budgets = Budgets(device_bytes=1 << 40, host_bytes=1 << 40, disk_bytes=1 << 40)
+    host = {fmt: estimate(ModelSpec(**base, master=fmt[0], moments=fmt[1]), budgets, A100_NODE,
+                          "host").host_bytes for fmt in (("fp32", "fp32"), ("bf16", "int8"))}
+    assert host["fp32", "fp32"] / host["bf16", "int8"] == pytest.approx(16 / 4.03, rel=1e-2)
+    with pytest.raises(ValueError, match="moments='int4' is unknown"):
+        ModelSpec(**base, moments="int4")
