@@ -86,9 +86,10 @@ def _run(args, fmt: str, seed: int) -> dict:
                                f"{proc.stderr.strip()[-400:]}")
     recs = _records(run_dir)
     vals = [(r["step"], r["val_loss"]) for r in recs if r.get("kind") == "val"]
-    train = [r["loss"] for r in recs if r.get("kind") == "train"][-20:]
+    curve = [r["loss"] for r in recs if r.get("kind") == "train"]
+    train = curve[-20:]
     print(f"  {fmt} seed {seed}: val {vals[-1][1]:.4f}", flush=True)
-    return dict(format=fmt, seed=seed, run_dir=str(run_dir), val_curve=vals,
+    return dict(format=fmt, seed=seed, run_dir=str(run_dir), val_curve=vals, train_curve=curve,
                 final_val_loss=vals[-1][1], train_loss_last20=sum(train) / len(train),
                 wall_s=wall)
 
@@ -97,18 +98,28 @@ def _plot(runs: list[dict], path: Path, steps: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 5))
     colors = {}
     for r in runs:
         color = colors.setdefault(r["format"], f"C{len(colors)}")
+        style = dict(color=color, linestyle="-" if r["format"] == runs[0]["format"] else "--",
+                     label=f"{r['format']} seed {r['seed']}")
+        losses = r["train_curve"]
+        window = 25
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+                  for i in range(len(losses))]
+        ax_train.plot(range(1, len(smooth) + 1), smooth, linewidth=0.9, **style)
         steps_, vals = zip(*r["val_curve"])
-        ax.plot(steps_, vals, color=color, linestyle="-" if r["format"] == runs[0]["format"]
-                else "--", label=f"{r['format']} seed {r['seed']}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_yscale("log")
-    ax.set_title(f"expert state formats, default model, host tier, {steps} steps")
-    ax.legend(fontsize=7)
+        ax_val.plot(steps_, vals, marker="o", markersize=3, **style)
+    ax_train.set_ylim(top=min(3.0, ax_train.get_ylim()[1]))
+    ax_train.set_title(f"training loss (mean of the last 25 steps), {steps} steps")
+    ax_val.set_title("validation loss")
+    for ax in (ax_train, ax_val):
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats/byte")
+        ax.grid(alpha=0.3)
+    ax_val.legend(fontsize=7)
+    fig.suptitle("expert state formats: the default model, experts on the host tier")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
