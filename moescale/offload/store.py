@@ -327,10 +327,7 @@ class ExpertStore:
         try:
             codec = StateCodec(self.format)
             numel = self.layouts[key[0]].numel
-            if self.format.master == "bf16":
-                rec.master_P.copy_(master_P.reshape(-1))
-            else:
-                codec.encode_master(master_P.reshape(-1), rec.master_P, ())
+            rec.master_P.copy_(master_P.reshape(-1))     # a bf16 master: rounded to nearest
             for row, value, signed in ((rec.exp_avg_P, exp_avg_P, True),
                                        (rec.exp_avg_sq_P, exp_avg_sq_P, False)):
                 value = torch.zeros(numel) if value is None else \
