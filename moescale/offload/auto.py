@@ -37,7 +37,8 @@ from moescale.offload.rates import measure_rates
 QUICK_PROBE = dict(runs=3, warmup=1, disk_file_bytes=256 << 20)
 
 
-def model_spec(model: nn.Module, tokens: int, dtype: str) -> ModelSpec:
+def model_spec(model: nn.Module, tokens: int, dtype: str, master: str = "fp32",
+               moments: str = "fp32") -> ModelSpec:
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         raise ValueError("tier='auto' found no MoE layer in the model")
@@ -48,12 +49,13 @@ def model_spec(model: nn.Module, tokens: int, dtype: str) -> ModelSpec:
     return ModelSpec(moe_layers=len(moes), d_model=first.config.d_model,
                      d_ff=first.config.d_ff, num_experts=max(m.num_experts for m in moes),
                      top_k=first.config.top_k, tokens=tokens, glu=glu, dtype=dtype,
-                     dense_params=dense)
+                     dense_params=dense, master=master, moments=moments)
 
 
 def resolve_auto(model: nn.Module, config):
     """(concrete OffloadConfig, the planner's estimates, its pick) for tier='auto'."""
-    spec = model_spec(model, config.tokens_per_micro_batch, config.compute_dtype)
+    spec = model_spec(model, config.tokens_per_micro_batch, config.compute_dtype,
+                      config.master, config.moments)
     host = config.host_budget_bytes
     if host is None:
         host = psutil.virtual_memory().available

@@ -188,8 +188,13 @@ class Offloaded:
             return self.config.offload.tier, text
         predicted = "; ".join(f"{e.mode} {e.step_s:.3g} s{'' if e.fits else ' (no fit)'}"
                               for e in self.estimates)
+        runs = {"device": "runs as the host tier with every expert's compute copy pinned on the "
+                          "device (their master weights and AdamW state stay in host RAM, "
+                          "stepped by the host optimizer: no device AdamW)",
+                "pin": "runs as the host tier with the hottest 25% pinned on the device"
+                }.get(self.pick, f"runs as the {cfg.store_tier} tier")
         return f"auto:{self.pick}", (f"auto -> planner picked '{self.pick}' (predicted step: "
-                                     f"{predicted}): {text}")
+                                     f"{predicted}); {runs}: {text}")
 
     def close(self) -> None:
         if self.engine is not None:

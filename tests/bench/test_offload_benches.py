@@ -72,3 +72,25 @@ def test_plan_check_host_and_disk_rows_and_the_comparison_with_a_previous_run(tm
 def test_plan_check_rejects_an_unknown_configuration():
     with pytest.raises(ValueError, match="tier:layers:d_model:d_ff:experts:tokens"):
         plan_check._config("gpu:1:2:3")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_offload_disk_bench_on_a_small_model_runs_formats_and_leaves_dir_empty(tmp_path):
+    """A model whose records are smaller than dd's request (the probe divided by zero), two
+    formats back to back: bytes per parameter per format, each step's loss, the expert files
+    removed from --dir afterwards (they were left there: 24 GB in one run)."""
+    from moescale.bench import offload_disk
+    where, out = tmp_path / "dir", tmp_path / "disk.json"
+    where.mkdir()
+    argv = [*TINY, "--steps", "2", "--probe-gb", "0.01", "--host-cache-gb", "0.001",
+            "--formats", "fp32+fp32,bf16+int8", "--dir", str(where), "--out", str(out)]
+    assert offload_disk.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert [r["format"] for r in res["runs"]] == ["master=fp32,moments=fp32",
+                                                  "master=bf16,moments=int8"]
+    for run in res["runs"]:
+        assert run["device_bytes_per_param_per_step"] >= 0
+        assert all(s["loss"] == s["loss"] for s in run["result"]["steps"])   # finite, recorded
+    assert list(where.iterdir()) == []
+    assert offload_disk.main([*TINY, "--formats", "fp32+int4", "--out", str(out)]) == 2

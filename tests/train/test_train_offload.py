@@ -93,6 +93,20 @@ def test_auto_mode_reports_the_planner_pick(corpus, tmp_path):
     assert summary["memory"]["device_peak_bytes"] <= 4 * 2**20
 
 
+def test_auto_mode_says_what_a_device_pick_runs(corpus, tmp_path):
+    """The planner's 'device' mode (all expert state on the device, device AdamW) runs as the
+    host tier with every expert pinned: the plan line says so, not just 'picked device'."""
+    run_dir = tmp_path / "auto-device"
+    config = _config(corpus, run_dir, **{"offload.mode": "auto",
+                                         "offload.device_budget": "256MiB",
+                                         "offload.rates": "a100", "train.steps": "1"})
+    trainer = Trainer(config, run_dir, out=open("/dev/null", "w"))
+    assert trainer.run() == 0
+    assert "planner picked 'device'" in trainer.plan_text
+    assert "runs as the host tier with every expert's compute copy pinned on the device" \
+        in trainer.plan_text and "hottest 100% pinned" in trainer.plan_text
+
+
 def test_eager_steps_without_clipping(corpus, device_only, tmp_path):
     run_dir = tmp_path / "eager"
     config = _config(corpus, run_dir, **{"offload.mode": "host", "offload.step_mode": "eager",
