@@ -25,12 +25,13 @@ from pathlib import Path
 import psutil
 import torch
 
-from moescale.bench.disk_probe import cpu_flags, peak_rss_bytes, reset_peak_rss
+from moescale.bench.disk_probe import cpu_flags
 from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.train import corpus as corpus_mod
 from moescale.train.config import DataSection
 from moescale.train.data import load_data, stdlib_files
 from moescale.train.tokenizer import load_tokenizer
+from moescale.proc_stats import peak_rss_bytes, reset_peak_rss
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -8,11 +8,10 @@
   before is read back from the host's cache at twice the disk's rate here;
 - `dd_bandwidth(directory, cold_files, ...)`: `dd` with `iflag=direct` / `oflag=direct` at the
   store's request size on other cold files and a scratch file (the raw reference);
-- `reset_peak_rss` / `peak_rss_bytes`: VmHWM, the peak resident set, from a point on;
-- `ProcessIO` / `DiskBusy` / `page_cache_bytes`: the process's device-level bytes
-  (/proc/self/io `read_bytes`, `write_bytes`: what reached the block layer, not the page
-  cache), the busy time of the directory's block device (/proc/diskstats), and the kernel's
-  page cache size (/proc/meminfo `Cached`).
+- `reset_peak_rss` / `peak_rss_bytes` / `ProcessIO` (moescale/proc_stats.py, re-exported):
+  VmHWM from a point on, the process's device-level bytes (/proc/self/io);
+- `DiskBusy` / `page_cache_bytes`: the busy time of the directory's block device
+  (/proc/diskstats) and the kernel's page cache size (/proc/meminfo `Cached`).
 - `cpu_flags()`: the instruction-set flags that matter for the results (avx2, avx512*, amx*).
 
 Deliberately not here: what is benchmarked (offload_disk.py).
@@ -38,28 +37,6 @@ def cpu_flags() -> list[str]:
     flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split()) \
         if re.search(r"^flags\s*:", text, re.M) else set()
     return sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx", "fma")))
-
-
-class ProcessIO:
-    """Device-level bytes this process read and wrote since the last `take()`."""
-
-    def __init__(self) -> None:
-        self._last = self._read()
-
-    @staticmethod
-    def _read() -> tuple[int, int]:
-        values = {}
-        with open("/proc/self/io") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                values[name] = int(value)
-        return values["read_bytes"], values["write_bytes"]
-
-    def take(self) -> tuple[int, int]:
-        now = self._read()
-        delta = (now[0] - self._last[0], now[1] - self._last[1])
-        self._last = now
-        return delta
 
 
 def _block_device(directory: str) -> str | None:
@@ -97,24 +74,6 @@ class DiskBusy:
             return None
         delta, self._last = (now - self._last) / 1000.0, now
         return delta
-
-
-def reset_peak_rss() -> None:
-    """Start VmHWM (the peak resident set) afresh from now (Linux: clear_refs 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_bytes() -> int:
-    """VmHWM: this process's peak resident set since start or reset_peak_rss()."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def page_cache_bytes() -> int:

@@ -101,7 +101,7 @@ def _compare(got: dict, ref_path: Path) -> float:
 
 
 def measure_config(rank: int, world: int, args: dict, config: dict) -> dict:
-    from moescale.bench.disk_probe import peak_rss_bytes, reset_peak_rss
+    from moescale.proc_stats import peak_rss_bytes, reset_peak_rss
     from moescale.parallel.groups import ParallelConfig, build_groups
 
     released = release_freed_memory()

@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from moescale import proc_stats
 from moescale.bench import disk_probe
 from moescale.bench.ep_memory_rank import release_freed_memory, rss_bytes
 from moescale.bench.measure import hardware_tag, result_path, write_json
@@ -104,11 +105,11 @@ def _measured(fn):
 
     gc.collect()
     before = rss_bytes()
-    disk_probe.reset_peak_rss()
+    proc_stats.reset_peak_rss()
     start = time.perf_counter()
     value = fn()
     seconds = time.perf_counter() - start
-    return value, seconds, before, disk_probe.peak_rss_bytes()
+    return value, seconds, before, proc_stats.peak_rss_bytes()
 
 
 def _figures(seconds, before, peak, share) -> dict:

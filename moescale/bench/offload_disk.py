@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from moescale import proc_stats
 from moescale.bench import disk_probe
 from moescale.bench.measure import hardware_tag, result_path, write_json
 from moescale.bench.offload import MoEStack, training_step
@@ -186,11 +187,11 @@ def _child(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine.follow(opt)
     x = torch.randn(args.tokens, args.d_model, device=args.device)
-    dev_io, busy = disk_probe.ProcessIO(), disk_probe.DiskBusy(args.dir)
+    dev_io, busy = proc_stats.ProcessIO(), disk_probe.DiskBusy(args.dir)
     steps = []
     for i in range(1 + args.steps):
         if i == 1:   # the peak of the timed steps alone (not the probes' buffers)
-            disk_probe.reset_peak_rss()
+            proc_stats.reset_peak_rss()
         read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.cache.wait_seconds
         optim0 = engine.optimizer.step_seconds
         cached0 = disk_probe.page_cache_bytes()
@@ -226,7 +227,7 @@ def _child(args) -> dict:
               f"{s['user_cpu_s']:.1f} s system {s['system_cpu_s']:.1f} s, host optimizer "
               f"{s['optimizer_s']:.1f} s",
               flush=True)
-    steps_peak_rss = disk_probe.peak_rss_bytes()
+    steps_peak_rss = proc_stats.peak_rss_bytes()
     peak_cache = store.peak_cache_bytes
     device_peak, device_budget = engine.device.peak_bytes, engine.device.budget_bytes
     direct = store.disk.io.direct

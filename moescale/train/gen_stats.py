@@ -29,10 +29,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from moescale.bench.disk_probe import ProcessIO, peak_rss_bytes, reset_peak_rss
 from moescale.layers.moe import MoE
 from moescale.offload.planner import fmt_bytes
 from moescale.offload.records import POS_MASTER
+from moescale.proc_stats import ProcessIO, peak_rss_bytes, reset_peak_rss
 
 
 @dataclass
