@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from moescale.dir_lock import claim_directory
 from moescale.offload import records
 from moescale.offload.direct_io import align_up
 from moescale.offload.disk_tier import DiskTier
@@ -180,6 +181,7 @@ class ExpertStore:
         self.disk: DiskTier | None = None
         self._waits = threading.local()   # per thread: seconds blocked in disk-tier acquires
         self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
+        self._dir_lock = None   # the disk tier's directory, owned (moescale/dir_lock.py)
 
     # ----------------------------------------------------------------- construction
     def reserve_disk(self, total_bytes: int) -> None:
@@ -236,7 +238,14 @@ class ExpertStore:
         need = written + record * num_experts
         check_directory(self.config.directory, max(0, max(need, self._disk_need) - written))
         self._disk_need = max(self._disk_need, need)
+        if self._dir_lock is None:     # this store owns the directory while it is open
+            self._dir_lock = claim_directory(
+                self.config.directory, f"the disk tier's directory {self.config.directory!r}",
+                "give each run its own offload.directory")
         layer = len(self.layouts)
+        if os.path.islink(self.disk._layer_dir(layer)):    # its files would be deleted there
+            raise ValueError(f"{self.disk._layer_dir(layer)!r} is a symbolic link; the disk "
+                             "tier never follows one where it deletes and writes: remove it")
         try:
             self.disk.add_layer(layout.numel, num_experts, master)
         except BaseException:   # leave nothing behind: a half-written layer is useless
@@ -421,3 +430,5 @@ class ExpertStore:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self._dir_lock is not None:
+            self._dir_lock.release()

@@ -101,6 +101,12 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated
 
 
+def _os_error_text(err: OSError) -> str:
+    """An OSError as '<reason> (<file>)', the reason as the system gives it."""
+    where = f" ({err.filename})" if err.filename else ""
+    return f"{err.strerror or err}{where}"
+
+
 def new_run_dir(root: str | Path = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(root) / stamp
@@ -136,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         if threading.current_thread() is threading.main_thread() else None
     group_before = dist.is_available() and dist.is_initialized()
     try:
-        trainer = Trainer(config, run_dir, resume=resume is not None)
+        try:
+            trainer = Trainer(config, run_dir, resume=resume is not None)
+        except OSError as err:     # set-up: nothing ran, so there is nothing to resume
+            raise ValueError(f"{_os_error_text(err)} while setting up the run (nothing was "
+                             "trained); fix the path or its permissions") from None
         code = trainer.run()
         if not group_before and dist.is_available() and dist.is_initialized():
             # a torchrun rank tears its groups down before the interpreter does: gloo's threads
@@ -155,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moescale train: {err}", file=sys.stderr)
         return 3
     except OSError as err:          # disk full or read-only mid-run: one line, data intact
-        where = f" ({err.filename})" if err.filename else ""
-        print(f"moescale train: error: {err.strerror or err}{where}; what the run wrote before "
+        print(f"moescale train: error: {_os_error_text(err)}; what the run wrote before "
               f"is intact: free disk space or fix permissions, then continue with --resume "
               f"{run_dir}", file=sys.stderr)
         return 1

@@ -346,8 +346,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
             raise ValueError(f"--config {str(path)!r} does not exist; give a TOML file")
         try:
             tree = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"--config {str(path)!r} is not valid TOML: {err}") from None
+        except OSError as err:
+            raise ValueError(f"--config {str(path)!r} cannot be read ({err.strerror}); check "
+                             "its permissions") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise ValueError(f"--config {str(path)!r} is not valid TOML: "
+                             f"{str(err) or 'nested too deeply'}") from None
         put_tree(tree, str(path))
     for option, raw in (overrides or {}).items():
         put(option, raw)
@@ -366,7 +370,10 @@ def saved_tree(run_dir: str | Path, who: str) -> dict:
                          "`moescale train` run")
     try:
         return tomllib.loads(saved.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+    except OSError as err:
+        raise ValueError(f"{who}: its config.toml ({str(saved)!r}) cannot be read "
+                         f"({err.strerror}); check its permissions") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise ValueError(f"{who}: its config.toml ({str(saved)!r}) is not valid UTF-8 TOML "
                          f"({err}); restore it, or start a new run") from None
 

@@ -63,7 +63,8 @@ from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
 from moescale.train import model as run_model
-from moescale.train.limits import check_budget, check_memory, check_run_dir, check_threads
+from moescale.train.limits import (check_budget, check_memory, check_run_dir, check_threads,
+                                   claim_run_dir, resolve_device, unclaim)
 from moescale.train.metrics import MetricsLog
 from moescale.train.optim import build_optimizer, lr_at, set_lr
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
@@ -71,15 +72,6 @@ from moescale.train.summary import imbalance, postfix_text, summarise
 from moescale.train.threads import auto_threads, torch_threads
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but no CUDA device is available; use cpu or "
-                         "auto")
-    return torch.device(name)
 
 
 def _expert_counts(model: GPT) -> list[torch.Tensor]:
@@ -109,13 +101,24 @@ class Trainer:
         self.threads_note = "set by train.threads"
         if tc.threads == 0:
             tc.threads, self.threads_note = auto_threads(self.ranks.world_size)
-        with torch_threads(tc.threads):           # building is torch work too (threads.py)
-            self._build_model(resume)
-            try:
-                self._build(resume)
-            except BaseException:     # stop the offload engine's threads
-                self.parts.close()
-                raise
+        self.run_lock = None
+        try:
+            self.run_lock = claim_run_dir(self.run_dir, resume, self.ranks)
+            with torch_threads(tc.threads):           # building is torch work too (threads.py)
+                self._build_model(resume)
+                try:
+                    self._build(resume)
+                except BaseException:     # stop the offload engine's threads
+                    self.parts.close()
+                    raise
+        except BaseException:
+            unclaim(self.run_lock)
+            raise
+
+    def close(self) -> None:
+        """Give the run directory back (run() does at its end; idempotent)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _build_model(self, resume: bool) -> None:
         config, tc = self.config, self.config.train
@@ -348,6 +351,7 @@ class Trainer:
                 return self._run(min(tc.steps, until_step or tc.steps))
         finally:
             self.parts.close()
+            self.close()
 
     def _run(self, last_step: int) -> int:
         from tqdm import tqdm

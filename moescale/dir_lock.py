@@ -1,0 +1,121 @@
+"""Exclusive ownership of a directory by one live process: an advisory lock the kernel releases.
+
+`claim_directory(directory, what)` opens `<directory>/.moescale.lock` (O_NOFOLLOW: a planted
+symlink is refused, never followed or truncated; the file must be a regular file) and takes
+`fcntl.flock(LOCK_EX | LOCK_NB)` on it, then writes the owner ("pid <pid> on <host>") into it.
+A second claim, by another process or another open of the same process, fails at once with
+`DirectoryInUse` (a ValueError: `moescale` prints it as one line, exit 2) naming the owner read
+from the file. The lock belongs to the open file description: `release()` (or the object's
+collection, or the process's death, SIGKILL included) frees it, so a crash never leaves a stale
+lock; the file itself stays (removing a lock file races with the next claimant) and only tells
+who held it last.
+
+`hold_file(path)` is the same open, blocking: the caller waits for the holder (the token cache's
+build lock, corpus.py). Not here: what the claimed directory holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import stat
+
+LOCK_NAME = ".moescale.lock"
+
+
+class DirectoryInUse(ValueError):
+    """The directory belongs to another live process (its owner named in the message)."""
+
+
+def _open_regular(path: str) -> int:
+    """An O_NOFOLLOW read-write descriptor of the regular file `path` (created if missing)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ValueError(f"{path!r} is a symbolic link; moescale never follows a link where "
+                             "it creates files: remove it") from None
+        raise ValueError(f"cannot open the lock file {path!r} ({err.strerror}); check the "
+                         "directory's permissions") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:    # a hard link would be written to
+        os.close(fd)
+        raise ValueError(f"{path!r} is not a regular file of its own (a device, a folder or a "
+                         "hard link); remove it")
+    return fd
+
+
+class DirLock:
+    """A held lock file (see the module docstring); `release()` is idempotent."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+        self.created = False     # the claimant made the directory (its caller sets this)
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)          # closing the last descriptor drops the flock
+
+    def __del__(self) -> None:
+        self.release()
+
+    def __enter__(self) -> "DirLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def owner_text() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def _owner_of(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text if text.startswith("pid ") else "another process"
+
+
+def claim_file(path: str | os.PathLike, what: str, fix: str) -> DirLock:
+    """Hold the lock file `path` exclusively (no waiting) or raise DirectoryInUse:
+    "<what> is in use by a live run (<owner>); <fix>"."""
+    path = os.fspath(path)
+    fd = _open_regular(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        owner = _owner_of(fd)
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise DirectoryInUse(f"{what} is in use by a live run ({owner}); {fix}") from None
+        raise ValueError(f"cannot lock {path!r} ({err.strerror}); {fix}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (owner_text() + "\n").encode(), 0)
+    return DirLock(fd, path)
+
+
+def claim_directory(directory: str | os.PathLike, what: str, fix: str) -> DirLock:
+    """claim_file on `<directory>/.moescale.lock` (the directory must exist)."""
+    return claim_file(os.path.join(os.fspath(directory), LOCK_NAME), what, fix)
+
+
+def hold_file(path: str | os.PathLike) -> DirLock:
+    """Hold the lock file `path` exclusively, waiting for a holder to finish."""
+    path = os.fspath(path)
+    fd = _open_regular(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return DirLock(fd, path)
