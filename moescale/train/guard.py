@@ -10,7 +10,8 @@ infinity and poison the optimizer state with finite weights. A skipped step appl
 optimizer update (dense or experts; gradients are discarded), still advances the step counter
 and the data (the next step sees the next batch), is logged as one line on stderr and marked
 in metrics.jsonl (`"skipped": reason`). `train.max_skips` consecutive skipped steps stop the
-run with one line (`TrainingDiverged`; `moescale train` exits 3).
+run with one line (`TrainingDiverged`; `moescale train` exits 3; the trainer adds which
+checkpoint to continue from, trust.py).
 
 Eager offload mode (`offload.step_mode eager`) steps each expert on the host as soon as its
 gradient is complete, before the step's gradient norm exists. There the host optimizer checks
@@ -97,4 +98,4 @@ class StepGuard:
                 f"training diverged: {self.consecutive} steps in a row up to step {step} had a "
                 f"non-finite loss or gradient (last: {reason}); no update was applied and every "
                 "checkpoint holds finite weights; lower optim.lr (or raise optim.warmup_steps, "
-                f"enable optim.grad_clip) and continue with --resume {self.run_dir}")
+                "enable optim.grad_clip)")

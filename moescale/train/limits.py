@@ -22,6 +22,7 @@ Not here: validation of single options (config.py), the planner's estimates (off
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -64,13 +65,23 @@ def _available_ram() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
+def training_bytes(config: RunConfig, vocab_size: int, cap: float = math.inf
+                   ) -> tuple[int, int, int]:
     """(parameters, bytes of parameter state held in RAM or on the device, activation bytes of
-    one micro-batch): lower bounds, from the model built on the meta device."""
+    one micro-batch): lower bounds, from the model built on the meta device (from a formula
+    alone when that already exceeds `cap` bytes)."""
     from moescale.models import GPT
     from moescale.train.model import model_config
 
     cfg = model_config(config, vocab_size)
+    d, d_ff = cfg.d_model, cfg.d_ff or 4 * cfg.d_model
+    moe_layers = 0 if not cfg.moe_every else cfg.n_layers // cfg.moe_every
+    least_expert = moe_layers * cfg.num_experts * 2 * d * d_ff
+    least = cfg.n_layers * 2 * d * d + cfg.vocab_size * d     # q and o projections at least
+    held = least + (0 if config.offload.tier == "disk" else
+                    least_expert // max(1, config.parallel.ep_size))
+    if STATE_BYTES * held > cap:     # refused by a lower bound: building the model, even on
+        return least + least_expert, STATE_BYTES * held, 0     # meta, can take minutes
     with torch.device("meta"):
         count = GPT(cfg).num_parameters()
     expert = count.expert // max(1, config.parallel.ep_size)
@@ -85,12 +96,12 @@ def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
 
 def check_memory(config: RunConfig, vocab_size: int, device: torch.device) -> None:
     """Refuse a model + micro-batch that cannot fit (see the module docstring)."""
-    params, state, acts = training_bytes(config, vocab_size)
-    need = state + acts
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
     else:
         have, where = _available_ram(), "this machine has"
+    params, state, acts = training_bytes(config, vocab_size, cap=have)
+    need = state + acts
     if need <= have:
         return
     m, t = config.model, config.train

@@ -56,13 +56,20 @@ def test_lr_1e6_skips_steps_then_stops_in_one_line_with_finite_checkpoints(corpu
     for _, path in found:
         tensors, _ = load_checkpoint(path)        # verifies, and refuses NaN / Inf
         assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
-    # a resume with a sane learning rate: the state is finite, the run continues or refuses in
-    # one line naming why (here the weights step 2 blew up still give NaN gradients)
+    # issue 31: step 1's update ruined the weights while they stayed finite (from step 2 the
+    # loss is ln 256, the gradient 0); the checkpoints written within trust.TRUST_STEPS of the
+    # divergence are set aside, the initial state is kept whatever keep_last says, the stop
+    # message names it, and a resume with a sane learning rate trains from it to the end
+    assert "continue from the checkpoint of step 0 (ckpt_00000000.safetensors)" in lines[-1]
+    assert [s for s, _ in found] == [0]
+    assert list((run_dir / "checkpoints").glob("ckpt_*.safetensors.diverged"))
     code = main(["train", "--resume", str(run_dir), "--optim.lr", "3e-3",
                  "--train.steps", "20"])
     err = capsys.readouterr().err
-    assert code in (0, 3) and "Traceback" not in err
-    assert code == 0 or _lines(err)[-1].startswith("moescale train: training diverged")
+    assert code == 0 and "Traceback" not in err, err
+    assert "resumed from" in err and "ckpt_00000000" in err
+    assert [r[0] for r in losses(run_dir)] == list(range(1, 21))
+    assert all(r[2] is not None and r[2] > 0 for r in losses(run_dir))   # it learns again
 
 
 def test_save_refuses_and_load_falls_back_from_non_finite_tensors(tmp_path):
