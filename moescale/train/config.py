@@ -193,6 +193,14 @@ class OptimSection:
               "must be >= 0 (0 disables clipping)")
 
 
+# Counts past which one step, one evaluation or the sample would run for hours on any machine:
+# refused at start instead of hanging (issue 31).
+TRAIN_BOUNDS = {"grad_accum": 4096, "eval_batches": 10_000, "sample_tokens": 10_000}
+TRAIN_BOUND_WHY = {"grad_accum": "micro-batches per optimizer step; raise train.batch_size",
+                   "eval_batches": "batches per validation",
+                   "sample_tokens": "tokens generated at the end"}
+
+
 @dataclass(kw_only=True)
 class TrainSection:
     """The loop: length, batch shape, evaluation, checkpoints, precision, where to write."""
@@ -226,6 +234,9 @@ class TrainSection:
         for name in ("eval_interval", "checkpoint_interval", "threads", "sample_tokens"):
             _need(getattr(self, name) >= 0, f"train.{name}", getattr(self, name),
                   "must be >= 0")
+        for name, most in TRAIN_BOUNDS.items():    # time, checked before anything is built
+            _need(getattr(self, name) <= most, f"train.{name}", getattr(self, name),
+                  f"must be <= {most:,} ({TRAIN_BOUND_WHY[name]})")
         _need(0 <= self.seed < 2**63, "train.seed", self.seed,
               "must lie in [0, 2**63 - 1] (a 64-bit seed)")
         _need(self.precision in PRECISIONS, "train.precision", self.precision,

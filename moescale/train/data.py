@@ -167,6 +167,9 @@ def load_data(cfg: DataSection, cache_dir_default: str | Path) -> TokenData:
     """Resolve `data.path` (and `data.tokenizer`) to train/validation token streams, memory-
     mapped; ValueError on bad input."""
     cache = Path(cfg.cache_dir or cache_dir_default).expanduser()
+    if cache.exists() and not cache.is_dir():
+        raise ValueError(f"data.cache_dir={str(cache)!r} is a file, not a directory; give a "
+                         "directory for the token cache (created if missing)")
     tokenizer = load_tokenizer(cfg.tokenizer)
     if not cfg.path:
         return _from_text(cfg, builtin_corpus(), tokenizer, cache)

@@ -83,6 +83,15 @@ class StepGuard:
             return f"{expert_skips} expert gradient(s) not finite"
         return None
 
+    def check_trained(self, steps_run: int) -> None:
+        """TrainingDiverged when every one of this process's `steps_run` steps was skipped
+        (fewer than max_skips, e.g. a huge model.aux_loss_coef): nothing was trained."""
+        if steps_run and self.skipped == steps_run:
+            raise TrainingDiverged(
+                f"training diverged: every one of the {steps_run} steps run had a non-finite "
+                "loss or gradient and was skipped, so nothing was trained (check "
+                "model.aux_loss_coef, model.z_loss_coef and optim.lr)")
+
     def record(self, step: int, reason: str | None) -> None:
         """Account for step `step` (1-based, after the update or its skip): one stderr line
         per skipped step; TrainingDiverged after max_skips skipped in a row."""

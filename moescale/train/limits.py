@@ -101,7 +101,13 @@ def check_memory(config: RunConfig, vocab_size: int, device: torch.device) -> No
     else:
         have, where = _available_ram(), "this machine has"
     params, state, acts = training_bytes(config, vocab_size, cap=have)
-    need = state + acts
+    t = config.train     # + the validation windows, held for the run (ids and targets, int64)
+    need = state + acts + 16 * t.eval_batches * t.batch_size * t.seq_len
+    cache = config.offload.host_cache_bytes
+    if config.offload.tier == "disk" and cache is not None and cache > _available_ram():
+        raise ValueError(f"offload.host_cache_bytes={cache:,} is more than the "
+                         f"{fmt_bytes(_available_ram())} of RAM available; give a smaller cache "
+                         "(or leave it unset: chosen from the expert state and the RAM)")
     if need <= have:
         return
     m, t = config.model, config.train

@@ -26,24 +26,36 @@ from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.trust import TRUST_STEPS
 
 
+def _or_last_error(found, failed: list[str]):
+    """`found`, whose exhaustion error names the last load failure when it was no checksum's."""
+    try:
+        yield from found
+    except CheckpointError as err:
+        text = str(err).lstrip("; ")
+        raise CheckpointError(f"{failed[-1]}; {text}" if failed else text) from None
+
+
 def resume(trainer) -> None:
     """Resume from the newest checkpoint whose dense half and expert store both verify
     (a corrupt store falls back to the previous checkpoint, as a corrupt dense file does;
-    the store is verified before anything of it is loaded)."""
+    the store is verified before anything of it is loaded; a checkpoint of another model,
+    too)."""
     warn = lambda m: print(m, file=trainer.err)   # noqa: E731
-    for path, tensors, state in verified_checkpoints(trainer.ckpt_dir, warn):
+    for path, tensors, state in _or_last_error(verified_checkpoints(trainer.ckpt_dir, warn),
+                                               failed := []):
         error = None
         try:
             trainer.parts.state.load(trainer.ckpt_dir, tensors, state)
         except StoreCheckpointError as err:     # every rank falls back together
             error = err
-        except (RuntimeError, KeyError, ValueError) as err:
-            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
-                                  f"({str(err).splitlines()[0]}); resume with the run's own "
-                                  "config.toml") from None
+        except (RuntimeError, KeyError, ValueError) as err:     # another model's: fall back
+            error = CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
+                                    f"({str(err).splitlines()[0]}); resume with the run's own "
+                                    "config.toml")
         if not trainer.ranks.any(error is not None):
             break
         reason = str(error).splitlines()[0] if error else "another rank's experts failed"
+        failed.append(reason)
         warn(f"warning: {reason}; trying the previous checkpoint")
     trainer.step = int(state["step"])
     trainer.batches.load_state(state["data_rng"])

@@ -311,6 +311,7 @@ class Trainer:
         rate = None
         start = time.perf_counter()
         last_ckpt = None
+        first_step = self.step
         try:
             if self.step == 0 and self.resumed_from is None:
                 self.save()          # the initial state: trusted until a later one is (trust.py)
@@ -339,6 +340,7 @@ class Trainer:
                 periodic = tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
                 if done or periodic or self.step == last_step or self.stop_requested:
                     last_ckpt = self.save()
+            self.guard.check_trained(self.step - first_step)
         except TrainingDiverged as err:
             raise TrainingDiverged(f"{err}; {saving.set_aside_diverged(self)}") from None
         finally:
