@@ -353,11 +353,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
         put_tree(base, "base config")
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"--config {str(path)!r} does not exist; give a TOML file")
         try:
+            if not path.is_file():
+                raise ValueError(f"--config {str(path)!r} does not exist; give a TOML file")
             tree = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as err:
+        except OSError as err:     # a permission error is not "does not exist"
             raise ValueError(f"--config {str(path)!r} cannot be read ({err.strerror}); check "
                              "its permissions") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
