@@ -16,8 +16,9 @@ Exit codes: 0 done; 2 a user error (one line naming the value; also an OS error 
 and a run directory or disk-tier directory held by a live run); 3 training diverged
 (`train.max_skips` steps in a row had a non-finite loss or gradient, or every step was skipped;
 every checkpoint is finite, the line names the one to continue from); 1 the run directory's
-disk went full or read-only mid-run (one line; what was written before is intact); 130 Ctrl-C and 143 SIGTERM (a checkpoint is saved when a step was running;
-during set-up SIGTERM unwinds every cleanup first).
+disk went full or read-only mid-run (one line; what was written before is intact); 130 Ctrl-C
+and 143 SIGTERM (a checkpoint is saved when a step was running; during set-up SIGTERM unwinds
+every cleanup first).
 
 This file only parses and routes; the loop is in trainer.py.
 """

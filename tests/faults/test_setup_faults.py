@@ -96,3 +96,27 @@ def test_api_misuse_raises_value_errors_naming_the_values():
         moescale.MoE(d_model=8, num_experts=2, d_ff=8, capacity_factor=float("inf"))
     huge = moescale.MoE(d_model=8, num_experts=2, d_ff=8, capacity_factor=1e308)
     assert huge(torch.randn(5, 8)).shape == (5, 8) and huge.last_stats.num_dropped == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_shm_directory_that_is_a_file_stops_every_rank_in_one_line(launcher, corpus,
+                                                                     tmp_path):
+    """$MOESCALE_SHM_DIR naming a file (before: rank 0 failed alone, exit 1 with resume advice,
+    rank 1 waited for the collective's timeout): every rank refuses at once, exit 2."""
+    from fault_helpers import rank_env
+
+    from moescale.parallel.launch import free_port
+
+    (tmp_path / "afile").write_text("x")
+    port = free_port()
+    argv = ["train", *tiny_args(corpus, tmp_path / "run", train__steps="2",
+                                parallel__placement="dynamic")]
+    shm = {"MOESCALE_SHM_DIR": str(tmp_path / "afile")}
+    ranks = [launcher.start(argv, tmp_path, log=tmp_path / f"rank{r}.log",
+                            env=dict(rank_env(r, 2, port), **shm)) for r in range(2)]
+    codes = [r.wait(90) for r in ranks]
+    for rank, code in zip(ranks, codes):
+        lines = _lines(rank.text())
+        assert code == 2 and "MOESCALE_SHM_DIR" in lines[-1], rank.text()
+        assert "Traceback" not in rank.text() and "--resume" not in lines[-1]
