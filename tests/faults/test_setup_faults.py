@@ -43,6 +43,7 @@ def test_setup_errors_exit_2_without_resume_advice(what, corpus, tmp_path, capsy
     assert "--resume" not in err and ("too long" in err or "is a file" in err), err
 
 
+@pytest.mark.slow
 def test_moe_every_0_trains_checkpoints_and_resumes(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *tiny_args(corpus, run, train__steps="4", model__moe_every="0",
@@ -65,6 +66,7 @@ def test_a_run_whose_every_step_is_skipped_exits_3(corpus, tmp_path, capsys):
     assert "every one of the 2 steps run" in _lines(err)[-1], err
 
 
+@pytest.mark.slow
 def test_garbage_metrics_and_another_models_checkpoint_do_not_block_resume(corpus, tmp_path,
                                                                           capsys):
     run, other = tmp_path / "run", tmp_path / "other"
