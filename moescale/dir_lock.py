@@ -65,7 +65,10 @@ class DirLock:
             os.close(fd)          # closing the last descriptor drops the flock
 
     def __del__(self) -> None:
-        self.release()
+        try:               # at interpreter exit the os module may already be gone
+            self.release()
+        except Exception:  # noqa: BLE001 - the process ends: the kernel drops the lock
+            pass
 
     def __enter__(self) -> "DirLock":
         return self
