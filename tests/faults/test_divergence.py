@@ -159,3 +159,24 @@ def test_dynamic_placement_skips_and_stops_on_every_rank(launcher, corpus, tmp_p
     assert sum(1 for r in losses(tmp_path / "run") if r[2] != r[2]) >= 3    # NaN norms logged
     for _, path in list_checkpoints(tmp_path / "run" / "checkpoints"):
         load_checkpoint(path)
+
+
+def test_checkpoint_trust_keeps_the_last_checkpoint_from_before_a_loss_spike():
+    """trust.py: a checkpoint is trusted after 10 clean steps; a loss spike (1.5x the recent
+    median) or a skipped step makes the checkpoints within 10 steps before it untrusted, and
+    the newest trusted one is kept and is where a diverged run continues from."""
+    from moescale.train.trust import CheckpointTrust
+
+    trust = CheckpointTrust()
+    for step in range(1, 31):
+        trust.note(step, 2.0 - step * 0.01, None)
+    assert trust.protected([10, 20, 29, 30], 30) == {20, 29}      # anchor 20, candidate 29
+    assert trust.protected([10, 20, 29, 30], 30, final=True) == set()
+    trust.note(31, 9.0, None)                                     # a spike, finite
+    for step in range(32, 37):
+        trust.note(step, 2.0, "gradient norm nan")
+    assert trust.anomalies == list(range(31, 37))
+    steps = [20, 25, 30, 36]
+    assert trust.resume_point(steps, 36) == 20          # 25 and 30 lie within 10 of the spike
+    assert trust.protected(steps, 36) == {20, 25}
+    assert trust.protected(steps, 36, final=True) == {20, 25}     # an anomaly at the end
