@@ -7,8 +7,10 @@ A second claim, by another process or another open of the same process, fails at
 `DirectoryInUse` (a ValueError: `moescale` prints it as one line, exit 2) naming the owner read
 from the file. The lock belongs to the open file description: `release()` (or the object's
 collection, or the process's death, SIGKILL included) frees it, so a crash never leaves a stale
-lock; the file itself stays (removing a lock file races with the next claimant) and only tells
-who held it last.
+lock. `release()` removes the file while still holding it; a claimant that had opened it before
+finds, once it wins the lock, that the path names another file (or none) and claims again, so
+two owners never coexist. After a kill the file stays and names the dead owner; the next claim
+takes it over.
 
 `hold_file(path)` is the same open, blocking: the caller waits for the holder (the token cache's
 build lock, corpus.py). Not here: what the claimed directory holds.
@@ -16,6 +18,7 @@ build lock, corpus.py). Not here: what the claimed directory holds.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -51,8 +54,8 @@ def _open_regular(path: str) -> int:
 class DirLock:
     """A held lock file (see the module docstring); `release()` is idempotent."""
 
-    def __init__(self, fd: int, path: str) -> None:
-        self.fd, self.path = fd, path
+    def __init__(self, fd: int, path: str, remove: bool = False) -> None:
+        self.fd, self.path, self.remove = fd, path, remove
         self.created = False     # the claimant made the directory (its caller sets this)
 
     @property
@@ -60,9 +63,15 @@ class DirLock:
         return self.fd is not None
 
     def release(self) -> None:
+        """Drop the lock; a claimed directory's lock file is removed first, while still held
+        (a claimant that opened it meanwhile sees that it is gone and opens the new one)."""
         fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)          # closing the last descriptor drops the flock
+        if fd is None:
+            return
+        if self.remove and _is_current(fd, self.path):
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        os.close(fd)          # closing the last descriptor drops the flock
 
     def __del__(self) -> None:
         try:               # at interpreter exit the os module may already be gone
@@ -81,30 +90,54 @@ def owner_text() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
-def _owner_of(fd: int) -> str:
+def _owner_of(path: str) -> str:
     try:
-        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+            text = f.read(200).decode("utf-8", "replace").strip()
     except OSError:
         text = ""
     return text if text.startswith("pid ") else "another process"
 
 
+def _is_current(fd: int, path: str) -> bool:
+    """Whether `path` still names the file open as `fd` (not removed or replaced)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _locked(path: str, flags: int) -> int:
+    """A descriptor of `path` holding flock(flags), of the file the path names now: a lock
+    won on a file its owner removed meanwhile (release) is let go and the claim tried again."""
+    while True:
+        fd = _open_regular(path)
+        try:
+            fcntl.flock(fd, flags)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _is_current(fd, path):
+            return fd
+        os.close(fd)
+
+
 def claim_file(path: str | os.PathLike, what: str, fix: str) -> DirLock:
     """Hold the lock file `path` exclusively (no waiting) or raise DirectoryInUse:
-    "<what> is in use by a live run (<owner>); <fix>"."""
+    "<what> is in use by a live run (<owner>); <fix>". The file is removed on release."""
     path = os.fspath(path)
-    fd = _open_regular(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = _locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        owner = _owner_of(fd)
-        os.close(fd)
+        owner = _owner_of(path)
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise DirectoryInUse(f"{what} is in use by a live run ({owner}); {fix}") from None
         raise ValueError(f"cannot lock {path!r} ({err.strerror}); {fix}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, (owner_text() + "\n").encode(), 0)
-    return DirLock(fd, path)
+    return DirLock(fd, path, remove=True)
 
 
 def claim_directory(directory: str | os.PathLike, what: str, fix: str) -> DirLock:
@@ -115,10 +148,4 @@ def claim_directory(directory: str | os.PathLike, what: str, fix: str) -> DirLoc
 def hold_file(path: str | os.PathLike) -> DirLock:
     """Hold the lock file `path` exclusively, waiting for a holder to finish."""
     path = os.fspath(path)
-    fd = _open_regular(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return DirLock(fd, path)
+    return DirLock(_locked(path, fcntl.LOCK_EX), path)

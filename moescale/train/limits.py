@@ -204,6 +204,6 @@ def unclaim(lock: DirLock | None) -> None:
     path = Path(lock.path).parent
     lock.release()
     if getattr(lock, "created", False):
-        files = [os.path.join(root, f) for root, _, names in os.walk(path) for f in names]
-        if files == [str(path / LOCK_NAME)]:      # empty folders (checkpoints/) at most
+        files = [f for _, _, names in os.walk(path) for f in names if f != LOCK_NAME]
+        if not files:      # empty folders (checkpoints/) at most
             shutil.rmtree(path, ignore_errors=True)

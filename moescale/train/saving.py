@@ -102,6 +102,8 @@ def save(trainer) -> Path:
                                               final=trainer.step == trainer.config.train.steps)
             path = save_checkpoint(trainer.ckpt_dir, trainer.step, tensors, dict(
                 state, expert_shards=entries), trainer.config.train.keep_last, protect)  # commit
+            if trainer.step > 0 and 0 not in protect:   # the initial state: a safety net only
+                checkpoint_path(trainer.ckpt_dir, 0).unlink(missing_ok=True)
             run_state.after_save(trainer.ckpt_dir)
         except OSError as err:
             failed = err

@@ -9,6 +9,8 @@ The rule:
   the median of the last SPIKE_HISTORY (20) losses (once 5 are known);
 - the checkpoint of step s is *trusted* once the TRUST_STEPS (10) steps after it have run
   without an anomaly;
+- the initial state (step 0) is a safety net only: it is removed as soon as it is neither the
+  anchor nor the candidate;
 - retention keeps, whatever `train.keep_last` says, the newest trusted checkpoint (the
   *anchor*) and the oldest one after it (the *candidate*, the next anchor; with no anchor yet,
   the oldest checkpoint: a fresh run writes its initial state as step 0), besides the newest

@@ -91,16 +91,19 @@ def test_the_lock_names_its_owner_and_dies_with_it(tmp_path):
     with pytest.raises(DirectoryInUse, match=f"pid {os.getpid()} on .*; choose another"):
         claim_directory(tmp_path, "dir", "choose another")     # another open, same process
     mine.release()
+    lock = tmp_path / ".moescale.lock"
+    assert not lock.exists()                   # a released claim removes its file
     child = multiprocessing.get_context("fork").Process(target=_claim_and_hang,
                                                          args=(str(tmp_path),))
     child.start()
-    lock = tmp_path / ".moescale.lock"
-    assert wait_for(lambda: lock.read_text().startswith(f"pid {child.pid} "), 30, poll=0.01)
+    assert wait_for(lambda: lock.exists() and lock.read_text().startswith(f"pid {child.pid} "),
+                    30, poll=0.01)
     with pytest.raises(DirectoryInUse, match=f"pid {child.pid} "):
         claim_directory(tmp_path, "dir", "fix")
     os.kill(child.pid, signal.SIGKILL)
     child.join(30)
-    claim_directory(tmp_path, "dir", "fix").release()          # not stale after a kill -9
+    assert lock.read_text().startswith(f"pid {child.pid} ")     # left by the kill: not stale
+    claim_directory(tmp_path, "dir", "fix").release()
 
 
 def _base(corpus: Path, run_dir: Path, cache: Path) -> list[str]:

@@ -58,7 +58,7 @@ def test_truncated_and_corrupted_checkpoints_are_refused(straight, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     ckpts = dict(list_checkpoints(run_dir / "checkpoints"))
-    assert sorted(ckpts) == [0, 4, 8]      # keep_last 5: the initial state too
+    assert sorted(ckpts) == [4, 8]      # the initial state went at the normal end (trust.py)
     last = ckpts[8]
     size = last.stat().st_size
     with open(last, "r+b") as f:
