@@ -224,9 +224,9 @@ class HeldLayer:
         return self.access.spec
 
 
-def _moes(model: nn.Module) -> list[tuple[str, MoE]]:
+def _moes(model: nn.Module, need: bool = True) -> list[tuple[str, MoE]]:
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-    if not found:
+    if not found and need:
         raise ValueError("the model has no moescale MoE layer; expert shards hold the experts "
                          "of MoE layers (build the model with moescale.MoE)")
     return found
@@ -263,15 +263,15 @@ def held_layers(model: nn.Module, optimizer=None, engine=None) -> list[HeldLayer
 
 def expert_state_keys(model: nn.Module) -> set[str]:
     """The keys of `model.state_dict()` that are expert state (saved by the expert shards, so
-    a dense checkpoint leaves them out)."""
-    prefixes = [f"{name}.experts." if name else "experts." for name, _ in _moes(model)]
+    a dense checkpoint leaves them out; none in a model without MoE layers)."""
+    prefixes = [f"{name}.experts." if name else "experts." for name, _ in _moes(model, False)]
     return {k for k in dense_state_dict(model) if any(k.startswith(p) for p in prefixes)}
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The resident expert parameters of `model` (their optimizer state is the shards')."""
     seen, out = set(), []
-    for _, moe in _moes(model):
+    for _, moe in _moes(model, False):
         for p in moe.experts.parameters():
             if id(p) not in seen:
                 seen.add(id(p))

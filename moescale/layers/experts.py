@@ -181,7 +181,12 @@ class ModuleExperts(nn.Module):
         outputs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                outputs.append(self.experts[e](x_RD[start:start + n]))
+                y_ND = self.experts[e](x_RD[start:start + n])
+                if y_ND.shape != (n, x_RD.shape[1]):   # a wrong width would mix silently
+                    raise ValueError(f"expert {e} ({type(self.experts[e]).__name__}) maps "
+                                     f"[{n}, {x_RD.shape[1]}] rows to {list(y_ND.shape)}; an "
+                                     f"expert must return [rows, d_model={x_RD.shape[1]}]")
+                outputs.append(y_ND)
             start += n
         if not outputs:
             return x_RD.new_zeros(x_RD.shape)

@@ -16,6 +16,7 @@ Legend: T tokens, D model width, E experts, K experts per token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -33,12 +34,13 @@ from moescale.routing.routers import Router
 
 def check_loss_and_capacity(config) -> None:
     """The capacity factor and loss coefficients a layer config (MoEConfig, GPTConfig) holds."""
-    if config.capacity_factor is not None and not config.capacity_factor > 0:
-        raise ValueError(f"capacity_factor={config.capacity_factor!r} must be > 0, or None "
-                         "for dropless routing")
+    cf = config.capacity_factor
+    if cf is not None and not (isinstance(cf, (int, float)) and 0 < cf < math.inf):
+        raise ValueError(f"capacity_factor={cf!r} must be a finite number > 0, or None for "
+                         "dropless routing")
     for name in ("aux_loss_coef", "z_loss_coef"):
-        if not getattr(config, name) >= 0:
-            raise ValueError(f"{name}={getattr(config, name)!r} must be >= 0")
+        if not 0 <= getattr(config, name) < math.inf:
+            raise ValueError(f"{name}={getattr(config, name)!r} must be finite and >= 0")
 
 
 @dataclass(kw_only=True)

@@ -302,7 +302,12 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {S} exceeds seq_len={cfg.seq_len}; crop the "
                              f"input or build the model with seq_len >= {S}")
         cos_SR, sin_SR = rotary_cos_sin(S, cfg.head_dim, cfg.rope_theta, idx_BS.device)
-        x_BSD = self.drop(self.tok_emb(idx_BS))
+        try:
+            x_BSD = self.drop(self.tok_emb(idx_BS))
+        except IndexError:      # CPU embedding lookups check their ids
+            raise ValueError(f"token ids range over [{int(idx_BS.min())}, {int(idx_BS.max())}] "
+                             f"but the vocabulary is [0, {cfg.vocab_size}); give ids the model "
+                             "was built for") from None
         for block in self.blocks:
             x_BSD = block(x_BSD, cos_SR, sin_SR)
         logits_BSV = self.lm_head(self.norm(x_BSD))

@@ -34,6 +34,7 @@ Legend: E experts of a layer, P parameters of one expert.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -42,6 +43,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from moescale.dir_lock import claim_directory
 from moescale.offload import records
 from moescale.offload.disk_tier import DiskTier
 from moescale.offload.records import ALL, POS_GRAD, POS_MASTER, STATE
@@ -73,6 +75,7 @@ class ExpertStore:
         self._waits = threading.local()   # per thread: seconds blocked in disk-tier acquires
         self._grads: dict[Key, torch.Tensor] = {}   # compact host records' gradients
         self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
+        self._dir_lock = None   # the disk tier's directory, owned (moescale/dir_lock.py)
 
     # ----------------------------------------------------------------- construction
     def reserve_disk(self, total_bytes: int) -> None:
@@ -151,7 +154,14 @@ class ExpertStore:
         need = written + geo.offsets[POS_GRAD] * num_experts
         check_directory(self.config.directory, max(0, max(need, self._disk_need) - written))
         self._disk_need = max(self._disk_need, need)
+        if self._dir_lock is None:     # this store owns the directory while it is open
+            self._dir_lock = claim_directory(
+                self.config.directory, f"the disk tier's directory {self.config.directory!r}",
+                "give each run its own offload.directory")
         layer = len(self.layouts)
+        if os.path.islink(self.disk._layer_dir(layer)):    # its files would be deleted there
+            raise ValueError(f"{self.disk._layer_dir(layer)!r} is a symbolic link; the disk "
+                             "tier never follows one where it deletes and writes: remove it")
         try:
             self.disk.add_layer(layout.numel, num_experts, master)
         except BaseException:   # leave nothing behind: a half-written layer is useless
@@ -408,3 +418,5 @@ class ExpertStore:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self._dir_lock is not None:
+            self._dir_lock.release()

@@ -81,8 +81,12 @@ def expert_capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
     """Slots per expert: ceil(capacity_factor * T * K / E); None means dropless.
 
     The product is shrunk by a relative 1e-12 before the ceiling so that float rounding of an
-    exact integer (1.1 * 50 = 55.00000000000001) does not grant one slot too many.
+    exact integer (1.1 * 50 = 55.00000000000001) does not grant one slot too many. A product
+    past 2**62 (or infinite) is T: no expert can receive more tokens than there are.
     """
     if capacity_factor is None:
         return None
-    return int(math.ceil(capacity_factor * num_tokens * top_k / num_experts * (1 - 1e-12)))
+    slots = capacity_factor * num_tokens * top_k / num_experts * (1 - 1e-12)
+    if not slots < 2 ** 62:      # a factor so large that the product overflows int64 or
+        return num_tokens        # float: no expert gets a token twice, so nothing is dropped
+    return int(math.ceil(slots))

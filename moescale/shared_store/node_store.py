@@ -102,6 +102,10 @@ def node_expert_store(moes: Sequence[MoE], group=None,
     `moes` (layer i = moes[i]) mapped by every rank, as an ExpertStore (see the module
     docstring). directory None: `shm_directory()`."""
     directory = shm_directory() if directory is None else directory
+    if not os.path.isdir(directory):      # every rank of the node sees the same: all refuse
+        raise ValueError(f"the node store's directory {directory!r} (${DIRECTORY_VARIABLE} or "
+                         f"{DEFAULT_DIRECTORY}) is not a directory; point ${DIRECTORY_VARIABLE} "
+                         "at a tmpfs directory")
     experts = [grouped_experts_of(m, "a shared expert store") for m in moes]
     layouts = [grouped_layout(x) for x in experts]
     num_experts = [x.num_experts for x in experts]

@@ -32,6 +32,13 @@ from moescale.train.run_state import RunState
 
 def check_parts(config: RunConfig) -> None:
     """Each part's refusals of options it cannot serve, before any process or thread starts."""
+    pc = config.parallel
+    if config.model.moe_every == 0 and (config.offload.tier != "device-only" or
+                                        pc.placement == "dynamic" or (pc.ep_size or 1) > 1):
+        raise ValueError(f"model.moe_every=0 builds a dense model: there are no experts to "
+                         f"offload or place (offload.tier={config.offload.tier!r}, "
+                         f"parallel.placement={pc.placement!r}, parallel.ep_size={pc.ep_size}); "
+                         "drop those options or set model.moe_every >= 1")
     check_exchange(config)
     check_residency(config)
 

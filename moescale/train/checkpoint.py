@@ -89,9 +89,10 @@ def check_finite(tensors: dict[str, torch.Tensor], step: int) -> None:
 
 
 def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
-                    state: dict, keep_last: int) -> Path:
-    """Write `ckpt_<step>` atomically, then drop all but the newest `keep_last`. Refuses
-    (NonFiniteError, nothing written) when a floating tensor holds NaN or Inf."""
+                    state: dict, keep_last: int, protect: frozenset[int] = frozenset()) -> Path:
+    """Write `ckpt_<step>` atomically, then drop all but the newest `keep_last` and those of
+    the steps in `protect` (trust.py). Refuses (NonFiniteError, nothing written) when a
+    floating tensor holds NaN or Inf."""
     check_finite(tensors, step)
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -115,8 +116,9 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Te
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(final)) \
                 from None
-    for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
-        old.unlink(missing_ok=True)
+    for old_step, old in list_checkpoints(ckpt_dir)[:-keep_last]:
+        if old_step not in protect:
+            old.unlink(missing_ok=True)
     return final
 
 

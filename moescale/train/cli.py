@@ -13,11 +13,13 @@ field; `--help` lists them all with their defaults. A user error raises ValueErr
 `moescale.cli` prints as one line with exit code 2. With `--resume RUN_DIR` the run's own
 config.toml is the base, `--config` and overrides apply on top (e.g. more `--train.steps`).
 
-Exit codes: 0 done; 2 a user error (one line naming the value); 3 training diverged
-(`train.max_skips` steps in a row had a non-finite loss or gradient; every checkpoint is
-finite); 1 the run directory's disk went full or read-only mid-run (one line; what was written
-before is intact); 130 Ctrl-C and 143 SIGTERM (a checkpoint is saved when a step was running;
-during set-up SIGTERM unwinds every cleanup first).
+Exit codes: 0 done; 2 a user error (one line naming the value; also an OS error during set-up,
+and a run directory or disk-tier directory held by a live run); 3 training diverged
+(`train.max_skips` steps in a row had a non-finite loss or gradient, or every step was skipped;
+every checkpoint is finite, the line names the one to continue from); 1 the run directory's
+disk went full or read-only mid-run (one line; what was written before is intact); 130 Ctrl-C
+and 143 SIGTERM (a checkpoint is saved when a step was running; during set-up SIGTERM unwinds
+every cleanup first).
 
 This file only parses and routes; the loop is in trainer.py.
 """
@@ -103,6 +105,12 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated
 
 
+def _os_error_text(err: OSError) -> str:
+    """An OSError as '<reason> (<file>)', the reason as the system gives it."""
+    where = f" ({err.filename})" if err.filename else ""
+    return f"{err.strerror or err}{where}"
+
+
 def new_run_dir(root: str | Path = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(root) / stamp
@@ -142,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         if threading.current_thread() is threading.main_thread() else None
     group_before = dist.is_available() and dist.is_initialized()
     try:
-        trainer = Trainer(config, run_dir, resume=resume is not None)
+        try:
+            trainer = Trainer(config, run_dir, resume=resume is not None)
+        except OSError as err:     # set-up: nothing ran, so there is nothing to resume
+            raise ValueError(f"{_os_error_text(err)} while setting up the run (nothing was "
+                             "trained); fix the path or its permissions") from None
         code = trainer.run()
         if not group_before and dist.is_available() and dist.is_initialized():
             # a torchrun rank tears its groups down before the interpreter does: gloo's threads
@@ -161,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moescale train: {err}", file=sys.stderr)
         return 3
     except OSError as err:          # disk full or read-only mid-run: one line, data intact
-        where = f" ({err.filename})" if err.filename else ""
-        print(f"moescale train: error: {err.strerror or err}{where}; what the run wrote before "
+        print(f"moescale train: error: {_os_error_text(err)}; what the run wrote before "
               f"is intact: free disk space or fix permissions, then continue with --resume "
               f"{run_dir}", file=sys.stderr)
         return 1

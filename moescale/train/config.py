@@ -199,6 +199,14 @@ class OptimSection:
               "must be >= 0 (0 disables clipping)")
 
 
+# Counts past which one step, one evaluation or the sample would run for hours on any machine:
+# refused at start instead of hanging (issue 31).
+TRAIN_BOUNDS = {"grad_accum": 4096, "eval_batches": 10_000, "sample_tokens": 10_000}
+TRAIN_BOUND_WHY = {"grad_accum": "micro-batches per optimizer step; raise train.batch_size",
+                   "eval_batches": "batches per validation",
+                   "sample_tokens": "tokens generated at the end"}
+
+
 @dataclass(kw_only=True)
 class TrainSection:
     """The loop: length, batch shape, evaluation, checkpoints, precision, where to write."""
@@ -232,6 +240,9 @@ class TrainSection:
         for name in ("eval_interval", "checkpoint_interval", "threads", "sample_tokens"):
             _need(getattr(self, name) >= 0, f"train.{name}", getattr(self, name),
                   "must be >= 0")
+        for name, most in TRAIN_BOUNDS.items():    # time, checked before anything is built
+            _need(getattr(self, name) <= most, f"train.{name}", getattr(self, name),
+                  f"must be <= {most:,} ({TRAIN_BOUND_WHY[name]})")
         _need(0 <= self.seed < 2**63, "train.seed", self.seed,
               "must lie in [0, 2**63 - 1] (a 64-bit seed)")
         _need(self.precision in PRECISIONS, "train.precision", self.precision,
@@ -350,12 +361,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
         put_tree(base, "base config")
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"--config {str(path)!r} does not exist; give a TOML file")
         try:
+            if not path.is_file():
+                raise ValueError(f"--config {str(path)!r} does not exist; give a TOML file")
             tree = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"--config {str(path)!r} is not valid TOML: {err}") from None
+        except OSError as err:     # a permission error is not "does not exist"
+            raise ValueError(f"--config {str(path)!r} cannot be read ({err.strerror}); check "
+                             "its permissions") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise ValueError(f"--config {str(path)!r} is not valid TOML: "
+                             f"{str(err) or 'nested too deeply'}") from None
         put_tree(tree, str(path))
     for option, raw in (overrides or {}).items():
         put(option, raw)
@@ -374,7 +389,10 @@ def saved_tree(run_dir: str | Path, who: str) -> dict:
                          "`moescale train` run")
     try:
         return tomllib.loads(saved.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+    except OSError as err:
+        raise ValueError(f"{who}: its config.toml ({str(saved)!r}) cannot be read "
+                         f"({err.strerror}); check its permissions") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise ValueError(f"{who}: its config.toml ({str(saved)!r}) is not valid UTF-8 TOML "
                          f"({err}); restore it, or start a new run") from None
 

@@ -19,10 +19,10 @@ Memory stays at a few batches whatever the corpus size.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import xxhash
 
+from moescale.atomic import is_temp_name
+from moescale.dir_lock import hold_file
 from moescale.train.token_files import TokenWriter, complete, dtype_for_vocab
 
 CACHE_VERSION = 1
@@ -205,11 +207,18 @@ def content_key(files: list[tuple[str, Path]], extra: list) -> str:
 
 @contextmanager
 def build_lock(stem: Path) -> Iterator[None]:
-    """Hold `<stem>.lock` exclusively: the first process builds the cached files, the others
-    wait and then find them whole."""
+    """Hold `<stem>.lock` exclusively (never through a symlink: dir_lock.hold_file): the first
+    process builds the cached files, the others wait and then find them whole. The temp files
+    of a killed builder of the same stem (`.<stem>.*.tmp`: nobody else writes them while the
+    lock is held) are removed first."""
     stem.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{stem}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with hold_file(f"{stem}.lock"):
+        prefix = f".{stem.name}."
+        for name in os.listdir(stem.parent):
+            if name.startswith(prefix) and is_temp_name(name):
+                path = stem.parent / name
+                if not stat.S_ISDIR(path.lstat().st_mode):
+                    path.unlink(missing_ok=True)
         yield
 
 

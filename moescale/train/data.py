@@ -239,6 +239,9 @@ def load_data(cfg: DataSection, cache_dir_default: str | Path) -> TokenData:
     alone is trained on; a meta.pkl there gives the vocabulary size), else it is held out of
     data.path."""
     cache = Path(cfg.cache_dir or cache_dir_default).expanduser()
+    if cache.exists() and not cache.is_dir():
+        raise ValueError(f"data.cache_dir={str(cache)!r} is a file, not a directory; give a "
+                         "directory for the token cache (created if missing)")
     tokenizer = load_tokenizer(cfg.tokenizer)
     folder = nanogpt_dir(cfg.path)
     if folder is None and not cfg.val_path:

@@ -10,7 +10,8 @@ infinity and poison the optimizer state with finite weights. A skipped step appl
 optimizer update (dense or experts; gradients are discarded), still advances the step counter
 and the data (the next step sees the next batch), is logged as one line on stderr and marked
 in metrics.jsonl (`"skipped": reason`). `train.max_skips` consecutive skipped steps stop the
-run with one line (`TrainingDiverged`; `moescale train` exits 3).
+run with one line (`TrainingDiverged`; `moescale train` exits 3; the trainer adds which
+checkpoint to continue from, trust.py).
 
 Eager offload mode (`offload.step_mode eager`) steps each expert on the host as soon as its
 gradient is complete, before the step's gradient norm exists. There the host optimizer checks
@@ -82,6 +83,15 @@ class StepGuard:
             return f"{expert_skips} expert gradient(s) not finite"
         return None
 
+    def check_trained(self, steps_run: int) -> None:
+        """TrainingDiverged when every one of this process's `steps_run` steps was skipped
+        (fewer than max_skips, e.g. a huge model.aux_loss_coef): nothing was trained."""
+        if steps_run and self.skipped == steps_run:
+            raise TrainingDiverged(
+                f"training diverged: every one of the {steps_run} steps run had a non-finite "
+                "loss or gradient and was skipped, so nothing was trained (check "
+                "model.aux_loss_coef, model.z_loss_coef and optim.lr)")
+
     def record(self, step: int, reason: str | None) -> None:
         """Account for step `step` (1-based, after the update or its skip): one stderr line
         per skipped step; TrainingDiverged after max_skips skipped in a row."""
@@ -97,4 +107,4 @@ class StepGuard:
                 f"training diverged: {self.consecutive} steps in a row up to step {step} had a "
                 f"non-finite loss or gradient (last: {reason}); no update was applied and every "
                 "checkpoint holds finite weights; lower optim.lr (or raise optim.warmup_steps, "
-                f"enable optim.grad_clip) and continue with --resume {self.run_dir}")
+                "enable optim.grad_clip)")

@@ -13,25 +13,39 @@ the values and the fix (`moescale train` prints it as one line, exit 2):
   for what lives there). The model is counted on the meta device, so nothing is allocated. A
   lower bound never refuses a run that fits; it catches the typos (1e8 for 1e3);
 - `check_run_dir`: the run directory is a directory, or can be created, and can be written
-  (probed with a temp file in its nearest existing folder; nothing is created).
+  (probed with a temp file in its nearest existing folder; nothing is created);
+- `claim_run_dir`: the run directory belongs to this run while it lives (moescale/dir_lock.py:
+  a second start or `--resume` of a live run refuses in one line naming the owner).
 
 Not here: validation of single options (config.py), the planner's estimates (offload/planner).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from moescale.dir_lock import LOCK_NAME, DirLock, claim_directory
 from moescale.layers.expert_threads import usable_cpus
 from moescale.offload.planner import fmt_bytes
 from moescale.train.config import RunConfig
 
 STATE_BYTES = 16       # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 ACT_BYTES = 4
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r} but no CUDA device is available; use cpu or "
+                         "auto")
+    return torch.device(name)
 
 
 def check_threads(threads: int, option: str = "train.threads") -> None:
@@ -51,13 +65,23 @@ def _available_ram() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
+def training_bytes(config: RunConfig, vocab_size: int, cap: float = math.inf
+                   ) -> tuple[int, int, int]:
     """(parameters, bytes of parameter state held in RAM or on the device, activation bytes of
-    one micro-batch): lower bounds, from the model built on the meta device."""
+    one micro-batch): lower bounds, from the model built on the meta device (from a formula
+    alone when that already exceeds `cap` bytes)."""
     from moescale.models import GPT
     from moescale.train.model import model_config
 
     cfg = model_config(config, vocab_size)
+    d, d_ff = cfg.d_model, cfg.d_ff or 4 * cfg.d_model
+    moe_layers = 0 if not cfg.moe_every else cfg.n_layers // cfg.moe_every
+    least_expert = moe_layers * cfg.num_experts * 2 * d * d_ff
+    least = cfg.n_layers * 2 * d * d + cfg.vocab_size * d     # q and o projections at least
+    held = least + (0 if config.offload.tier == "disk" else
+                    least_expert // max(1, config.parallel.ep_size))
+    if STATE_BYTES * held > cap:     # refused by a lower bound: building the model, even on
+        return least + least_expert, STATE_BYTES * held, 0     # meta, can take minutes
     with torch.device("meta"):
         count = GPT(cfg).num_parameters()
     expert = count.expert // max(1, config.parallel.ep_size)
@@ -72,12 +96,18 @@ def training_bytes(config: RunConfig, vocab_size: int) -> tuple[int, int, int]:
 
 def check_memory(config: RunConfig, vocab_size: int, device: torch.device) -> None:
     """Refuse a model + micro-batch that cannot fit (see the module docstring)."""
-    params, state, acts = training_bytes(config, vocab_size)
-    need = state + acts
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
     else:
         have, where = _available_ram(), "this machine has"
+    params, state, acts = training_bytes(config, vocab_size, cap=have)
+    t = config.train     # + the validation windows, held for the run (ids and targets, int64)
+    need = state + acts + 16 * t.eval_batches * t.batch_size * t.seq_len
+    cache = config.offload.host_cache_bytes
+    if config.offload.tier == "disk" and cache is not None and cache > _available_ram():
+        raise ValueError(f"offload.host_cache_bytes={cache:,} is more than the "
+                         f"{fmt_bytes(_available_ram())} of RAM available; give a smaller cache "
+                         "(or leave it unset: chosen from the expert state and the RAM)")
     if need <= have:
         return
     m, t = config.model, config.train
@@ -129,3 +159,51 @@ def check_budget(config: RunConfig, num_params: int) -> None:
             f"offload.device_budget_bytes={budget:,} bytes is too "
             f"small: device-only training of {num_params:,} parameters holds {need:,} bytes of "
             "weights, gradients and AdamW state; raise the budget or use a smaller model")
+
+
+# what a run creates, rewrites or deletes inside its directory (a planted link is refused)
+RUN_ENTRIES = ("checkpoints", "expert-store", "metrics.jsonl", "tensorboard", "hf")
+
+
+def claim_run_dir(run_dir: Path, resume: bool, ranks) -> DirLock | None:
+    """Rank 0 creates the run directory and holds its lock (every rank refuses together when it
+    cannot); the lock is the caller's to release. A directory this call created is marked
+    (`created`) so that a start that fails in set-up can remove it again (`unclaim`)."""
+    lock, error = None, None
+    if ranks.writer:
+        created = not run_dir.exists()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fix = ("stop it first (Ctrl-C or SIGTERM saves a checkpoint), then resume it"
+                   if resume else "wait for it to end or choose another train.run_dir")
+            lock = claim_directory(run_dir, f"run directory {str(run_dir)!r}", fix)
+            lock.created = created
+            links = [n for n in RUN_ENTRIES if (run_dir / n).is_symlink()]
+            if links:
+                lock.release()
+                raise ValueError(f"{str(run_dir / links[0])!r} is a symbolic link; a run never "
+                                 "follows one where it writes and deletes: remove it")
+        except (OSError, ValueError) as err:
+            error = err
+    if ranks.any(error is not None):
+        if error is None:
+            raise ValueError(f"rank 0 could not claim the run directory {str(run_dir)!r}")
+        if isinstance(error, OSError):
+            raise ValueError(f"train.run_dir={str(run_dir)!r} cannot be created "
+                             f"({error.strerror or error}); choose a directory you can "
+                             "write") from None
+        raise error
+    return lock
+
+
+def unclaim(lock: DirLock | None) -> None:
+    """Release a run directory's lock; remove the directory when the claim created it and
+    nothing else was written there (a start that failed in set-up leaves no trace)."""
+    if lock is None:
+        return
+    path = Path(lock.path).parent
+    lock.release()
+    if getattr(lock, "created", False):
+        files = [f for _, _, names in os.walk(path) for f in names if f != LOCK_NAME]
+        if not files:      # empty folders (checkpoints/) at most
+            shutil.rmtree(path, ignore_errors=True)

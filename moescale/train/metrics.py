@@ -35,7 +35,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().decode("utf-8", "replace").splitlines():   # garbage: skipped
         if line.strip():
             try:
                 records.append(json.loads(line))

@@ -41,6 +41,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from moescale.models import gpt_config
 from moescale.models.gpt import GPT, GPTConfig
@@ -82,6 +83,9 @@ def hf_config_json(config: RunConfig, run_dir: str | Path | None = None) -> dict
         hf = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"model.hf: {str(file)!r} is not valid JSON ({err}); restore it")
+    if not isinstance(hf, dict):
+        raise ValueError(f"model.hf: {str(file)!r} holds a JSON {type(hf).__name__}, not an "
+                         "object of a model's settings; give the directory save_pretrained wrote")
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
         why = f" (a moescale GPT has no {NO_GPT[kind]})" if kind in NO_GPT else ""
@@ -118,6 +122,9 @@ def model_config(config: RunConfig, vocab_size: int, run_dir: str | Path | None 
             check_gpt(cfg)
     except ValueError as err:
         raise ValueError(f"model.hf={mc.hf!r}: {err}") from None
+    except (KeyError, TypeError, ZeroDivisionError, AttributeError) as err:   # a garbled field
+        raise ValueError(f"model.hf={mc.hf!r}: its config.json lacks or garbles a setting "
+                         f"({type(err).__name__}: {err}); give a Mixtral config.json") from None
     if vocab_size > cfg.vocab_size:
         raise ValueError(f"model.hf={mc.hf!r} has vocab_size {cfg.vocab_size} but the data's "
                          f"vocabulary is {vocab_size} (data.tokenizer / data.vocab_size): ids "
@@ -147,11 +154,17 @@ def load_hf_weights(model: GPT, config: RunConfig) -> str:
     hf = config.model.hf
     if not weight_files(hf):
         return f"model.hf {hf}: config only, random initialisation"
-    hf_json, tensors = open_mixtral(hf, model_types=SUPPORTED)
     cfg = model.config
     meta = any(p.is_meta for p in model.parameters())     # disk tier: experts go to files
-    dense = hf_json["model_type"] in DENSE_FAMILIES
-    state = (dense_state if dense else mixtral_state)(tensors, cfg, hf, experts=not meta)
+    try:
+        hf_json, tensors = open_mixtral(hf, model_types=SUPPORTED)
+        dense = hf_json["model_type"] in DENSE_FAMILIES
+        state = (dense_state if dense else mixtral_state)(tensors, cfg, hf, experts=not meta)
+    except (SafetensorError, OSError, json.JSONDecodeError, KeyError) as err:
+        raise ValueError(f"model.hf={hf!r}: its weights cannot be read "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                         "restore them, or remove the .safetensors files for a random "
+                         "start") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if dense:       # upcycled: the routers keep their random init
         missing = [k for k in missing if not k.endswith(".ffn.router.weight")]

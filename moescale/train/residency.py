@@ -165,10 +165,10 @@ class Offloaded:
             free = shutil.disk_usage(where).free + reusable
             if free < need:
                 raise ValueError(
-                    f"offload.tier='disk' needs {need / 2**30:.1f} GiB under {str(where)!r} "
-                    f"(expert state {state / 2**30:.1f} GiB"
+                    f"offload.tier='disk' needs {fmt_bytes(need)} under {str(where)!r} "
+                    f"(expert state {fmt_bytes(state)}"
                     f"{f' x (1 + train.keep_last={copies})' if copies and same_fs else ''}) but "
-                    f"{free / 2**30:.1f} GiB are free; set train.checkpoint_interval 0 (one "
+                    f"{fmt_bytes(free)} are free; set train.checkpoint_interval 0 (one "
                     "checkpoint at the end, hard-linked: no extra space), lower train.keep_last, "
                     "or free space")
 

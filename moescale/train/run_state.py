@@ -33,6 +33,7 @@ import torch
 from moescale.expert_state import (SHARDS_PREFIX, expert_parameters, expert_state_keys,
                                    load_expert_shards, save_expert_shards, shards_dir)
 from moescale.models.resident import dense_state_dict
+from moescale.layers.moe import MoE
 from moescale.train.checkpoint import list_checkpoints, nonfinite, optimizer_from_flat
 from moescale.train.legacy_state import LegacyState
 
@@ -102,9 +103,14 @@ class RunState:
         names, _ = self._names()
         return nonfinite({names[id(p)]: p.detach() for p in expert_parameters(self.model)})
 
+    def _dense(self) -> bool:
+        """A model with no MoE layer (model.moe_every 0): its checkpoints have no shards."""
+        return not any(isinstance(m, MoE) for m in self.model.modules())
+
     def save_experts(self, ckpt_dir: Path, step: int) -> dict | None:
-        """This rank's expert shard (None: another replica writes these experts)."""
-        if not self._writes_experts():
+        """This rank's expert shard (None: another replica writes these experts, or there
+        are none)."""
+        if not self._writes_experts() or self._dense():
             return None
         return save_expert_shards(self.model, str(ckpt_dir), rank=self.ranks.rank,
                                   tag=f"{step:08d}", optimizer=self.optimizer,
@@ -132,6 +138,8 @@ class RunState:
             raise KeyError(f"the dense state does not fit this model (missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]})")
         self._load_dense_optimizer(tensors, state["optimizer"])
+        if self._dense():
+            return
         load_expert_shards(self.model, str(ckpt_dir), state.get("expert_shards") or [],
                            optimizer=self.optimizer, engine=self.residency.engine,
                            share=self._share())

@@ -19,8 +19,11 @@ losses of an uninterrupted one. SIGINT (Ctrl-C) or SIGTERM (what torchrun and sc
 finishes the current step, saves a checkpoint and returns 130 (143 for SIGTERM); a second one
 aborts at once. A step whose loss or gradient norm is not finite is skipped, not stepped
 (guard.py); `train.max_skips` of them in a row stop the run (TrainingDiverged). No checkpoint
-with NaN or Inf is written. A start-up sweep removes the temp files a killed run left in the
-run directory (checkpoint.sweep_temp_files).
+with NaN or Inf is written; a fresh run first saves its initial state (step 0), and when the
+guard stops a run the checkpoints written within trust.TRUST_STEPS of the divergence are set
+aside (trust.py, saving.py). The run directory is this process's while it lives (a lock,
+limits.claim_run_dir); a start-up sweep then removes the temp files a killed run left in it
+(checkpoint.sweep_temp_files).
 
 Offloading, expert parallelism and dynamic placement plug in as parts (assembly.py): the
 ranks (one process or a torch.distributed world: each rank's slice of a batch, reductions of
@@ -53,36 +56,26 @@ import torch
 from moescale.atomic import atomic_write_text
 from moescale.layers.moe import MoE
 from moescale.models import GPT
-from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.offload.planner import fmt_bytes
 from moescale.train.assembly import assemble, check_parts
-from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
-                                       nonfinite, save_checkpoint, sweep_temp_files,
-                                       verified_checkpoints)
+from moescale.train.checkpoint import list_checkpoints, sweep_temp_files
 from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
 from moescale.train.hf_export import end_of_run_export
 from moescale.train import model as run_model
-from moescale.train.limits import check_budget, check_memory, check_run_dir, check_threads
-from moescale.train.metrics import MetricsLog
+from moescale.train import saving
+from moescale.train.limits import (check_budget, check_memory, check_run_dir, check_threads,
+                                   claim_run_dir, resolve_device, unclaim)
+from moescale.train.metrics import MetricsLog, read_metrics
 from moescale.train.optim import build_optimizer, lr_at, set_lr
-from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.gen_stats import GenerationMeter
 from moescale.train.summary import imbalance, peak_rss_bytes, postfix_text, summarise
 from moescale.train.threads import auto_threads, torch_threads
 from moescale.train.tokenizer import keep_copy
+from moescale.train.trust import CheckpointTrust
 
 DEFAULT_CACHE_DIR = "~/.cache/moescale"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but no CUDA device is available; use cpu or "
-                         "auto")
-    return torch.device(name)
 
 
 def _expert_counts(model: GPT) -> list[torch.Tensor]:
@@ -113,13 +106,24 @@ class Trainer:
         self.threads_auto = tc.threads == 0     # config.toml keeps 0; checkpoints the choice
         if tc.threads == 0:
             tc.threads, self.threads_note = auto_threads(self.ranks.world_size)
-        with torch_threads(tc.threads):           # building is torch work too (threads.py)
-            self._build_model(resume)
-            try:
-                self._build(resume)
-            except BaseException:     # stop the offload engine's threads
-                self.parts.close()
-                raise
+        self.run_lock = None
+        try:
+            self.run_lock = claim_run_dir(self.run_dir, resume, self.ranks)
+            with torch_threads(tc.threads):           # building is torch work too (threads.py)
+                self._build_model(resume)
+                try:
+                    self._build(resume)
+                except BaseException:     # stop the offload engine's threads
+                    self.parts.close()
+                    raise
+        except BaseException:
+            unclaim(self.run_lock)
+            raise
+
+    def close(self) -> None:
+        """Give the run directory back (run() does at its end; idempotent)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _build_model(self, resume: bool) -> None:
         config, tc = self.config, self.config.train
@@ -159,6 +163,7 @@ class Trainer:
         self.stop_requested = False
         self.stop_signal = None
         self.guard = StepGuard(tc.max_skips, self.err, str(self.run_dir))
+        self.trust = CheckpointTrust()
         self._expert_skips = 0
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.writer,
@@ -166,6 +171,9 @@ class Trainer:
         self.resumed_from = None
         if resume:
             self._resume()
+            for r in read_metrics(self.metrics.path):     # the loss history of trust.py
+                if r.get("kind") == "train":
+                    self.trust.note(r["step"], r["loss"], r.get("skipped"))
         elif list_checkpoints(self.ckpt_dir):
             raise ValueError(f"run directory {str(self.run_dir)!r} already holds checkpoints; "
                              "continue it with --resume, or choose another train.run_dir")
@@ -196,80 +204,11 @@ class Trainer:
         atomic_write_text(self.run_dir / "config.toml", text)
 
     def _resume(self) -> None:
-        """Resume from the newest checkpoint whose dense half and expert store both verify
-        (a corrupt store falls back to the previous checkpoint, as a corrupt dense file does;
-        the store is verified before anything of it is loaded)."""
-        warn = lambda m: print(m, file=self.err)   # noqa: E731
-        for path, tensors, state in verified_checkpoints(self.ckpt_dir, warn):
-            error = None
-            try:
-                self.parts.state.load(self.ckpt_dir, tensors, state)
-            except StoreCheckpointError as err:     # every rank falls back together
-                error = err
-            except (RuntimeError, KeyError, ValueError) as err:
-                raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
-                                      f"({str(err).splitlines()[0]}); resume with the run's own "
-                                      "config.toml") from None
-            if not self.ranks.any(error is not None):
-                break
-            reason = str(error).splitlines()[0] if error else "another rank's experts failed"
-            warn(f"warning: {reason}; trying the previous checkpoint")
-        self.step = int(state["step"])
-        if self.threads_auto:     # the count the run chose (the same floats), not a new choice
-            self.config.train.threads = state["config"]["train"].get("threads") or \
-                self.config.train.threads
-        self.batches.load_state(state["data_rng"])
-        torch.set_rng_state(tensors["rng.torch"])
-        if self.device.type == "cuda" and "rng.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
-        self.ranks.barrier()    # every rank has read before rank 0 renames
-        for newer_step, newer in list_checkpoints(self.ckpt_dir) if self.writer else ():
-            if newer_step > self.step:   # failed verification: set aside, never deleted
-                newer.rename(newer.with_name(newer.name + ".corrupt"))
-        self.metrics.truncate_after(self.step)
-        self.resumed_from = str(path)
-        print(f"resumed from {path} (step {self.step})", file=self.err)
+        saving.resume(self)
 
     def save(self) -> Path:
-        """Collective: every rank writes the experts it holds, then rank 0 the dense half and
-        the commit point (run_state.py)."""
-        run_state = self.parts.state
-        tensors, opt_rest = run_state.dense_state()
-        tensors["rng.torch"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
-        state = {"step": self.step, "format": RUN_STATE_FORMAT, "optimizer": opt_rest,
-                 "data_rng": self.batches.state(), "config": to_dict(self.config)}
-        path = checkpoint_path(self.ckpt_dir, self.step)
-        bad = (nonfinite(tensors) if self.writer else None) or run_state.nonfinite_experts()
-        if self.ranks.any(bad is not None):               # every rank stops, none waits
-            raise TrainingDiverged(
-                f"refusing to write the checkpoint of step {self.step}: " +
-                (f"{bad[0]} holds {bad[1]:,} NaN or Inf values" if bad else "another rank found "
-                 "NaN or Inf") + "; the checkpoints already written are finite: lower optim.lr "
-                f"and continue with --resume {self.run_dir}")
-        failed = entry = None
-        try:
-            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            entry = run_state.save_experts(self.ckpt_dir, self.step)     # first
-        except OSError as err:     # disk full, read-only: the older checkpoints stand
-            failed = err
-        entries = [e for e in self.ranks.gather_objects(entry) if e is not None]
-        shards_failed = self.ranks.any(failed is not None)
-        if self.writer and not shards_failed:
-            try:
-                path = save_checkpoint(self.ckpt_dir, self.step, tensors, dict(
-                    state, expert_shards=entries), self.config.train.keep_last)   # commit
-                run_state.after_save(self.ckpt_dir)
-            except OSError as err:
-                failed = err
-        if self.ranks.any(failed is not None) or shards_failed:
-            reason = failed.strerror or str(failed) if failed else "another rank failed"
-            raise OSError(getattr(failed, "errno", None), f"could not write the checkpoint of "
-                          f"step {self.step} in {str(self.ckpt_dir)!r} ({reason}); the "
-                          "checkpoints already written are intact")
-        self.ranks.barrier()
-        return path
+        """Collective: a checkpoint of the current step (saving.py)."""
+        return saving.save(self)
 
     # -- loop ----------------------------------------------------------------------------
     def _autocast(self):
@@ -359,6 +298,7 @@ class Trainer:
                 return self._run(min(tc.steps, until_step or tc.steps))
         finally:
             self.parts.close()
+            self.close()
 
     def _run(self, last_step: int) -> int:
         from tqdm import tqdm
@@ -379,7 +319,10 @@ class Trainer:
         rate = None
         start = time.perf_counter()
         last_ckpt = None
+        first_step = self.step
         try:
+            if self.step == 0 and self.resumed_from is None:
+                self.save()          # the initial state: trusted until a later one is (trust.py)
             while self.step < last_step and not self.stop_requested:
                 t0 = time.perf_counter()
                 record = self.train_step()
@@ -395,6 +338,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(postfix_text(record, rate, self.parts.residency.kind),
                                     refresh=False)
+                self.trust.note(self.step, record["loss"], record.get("skipped"))
                 self.guard.record(self.step, record.get("skipped"))   # may stop the run
                 done = self.step == tc.steps
                 if done or (tc.eval_interval and self.step % tc.eval_interval == 0):
@@ -404,6 +348,9 @@ class Trainer:
                 periodic = tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
                 if done or periodic or self.step == last_step or self.stop_requested:
                     last_ckpt = self.save()
+            self.guard.check_trained(self.step - first_step)
+        except TrainingDiverged as err:
+            raise TrainingDiverged(f"{err}; {saving.set_aside_diverged(self)}") from None
         finally:
             bar.close()
             self.metrics.close()

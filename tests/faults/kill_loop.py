@@ -59,7 +59,7 @@ def kill_resume_loop(launcher: Launcher, corpus: Path, run_dir: Path, *, steps: 
     cwd = run_dir.parent
     while True:
         start_step = _newest_step(ckpt_dir)
-        resumed = start_step > 0
+        resumed = bool(list_checkpoints(ckpt_dir))     # a fresh run saves step 0 first
         argv = ["train", "--resume", str(run_dir)] if resumed else fresh
         old_temps = temp_files(run_dir)
         old_ids = _temp_ids(run_dir, old_temps)

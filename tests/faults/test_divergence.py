@@ -56,13 +56,20 @@ def test_lr_1e6_skips_steps_then_stops_in_one_line_with_finite_checkpoints(corpu
     for _, path in found:
         tensors, _ = load_checkpoint(path)        # verifies, and refuses NaN / Inf
         assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
-    # a resume with a sane learning rate: the state is finite, the run continues or refuses in
-    # one line naming why (here the weights step 2 blew up still give NaN gradients)
+    # issue 31: step 1's update ruined the weights while they stayed finite (from step 2 the
+    # loss is ln 256, the gradient 0); the checkpoints written within trust.TRUST_STEPS of the
+    # divergence are set aside, the initial state is kept whatever keep_last says, the stop
+    # message names it, and a resume with a sane learning rate trains from it to the end
+    assert "continue from the checkpoint of step 0 (ckpt_00000000.safetensors)" in lines[-1]
+    assert [s for s, _ in found] == [0]
+    assert list((run_dir / "checkpoints").glob("ckpt_*.safetensors.diverged"))
     code = main(["train", "--resume", str(run_dir), "--optim.lr", "3e-3",
                  "--train.steps", "20"])
     err = capsys.readouterr().err
-    assert code in (0, 3) and "Traceback" not in err
-    assert code == 0 or _lines(err)[-1].startswith("moescale train: training diverged")
+    assert code == 0 and "Traceback" not in err, err
+    assert "resumed from" in err and "ckpt_00000000" in err
+    assert [r[0] for r in losses(run_dir)] == list(range(1, 21))
+    assert all(r[2] is not None and r[2] > 0 for r in losses(run_dir))   # it learns again
 
 
 def test_save_refuses_and_load_falls_back_from_non_finite_tensors(tmp_path):
@@ -152,3 +159,24 @@ def test_dynamic_placement_skips_and_stops_on_every_rank(launcher, corpus, tmp_p
     assert sum(1 for r in losses(tmp_path / "run") if r[2] != r[2]) >= 3    # NaN norms logged
     for _, path in list_checkpoints(tmp_path / "run" / "checkpoints"):
         load_checkpoint(path)
+
+
+def test_checkpoint_trust_keeps_the_last_checkpoint_from_before_a_loss_spike():
+    """trust.py: a checkpoint is trusted after 10 clean steps; a loss spike (1.5x the recent
+    median) or a skipped step makes the checkpoints within 10 steps before it untrusted, and
+    the newest trusted one is kept and is where a diverged run continues from."""
+    from moescale.train.trust import CheckpointTrust
+
+    trust = CheckpointTrust()
+    for step in range(1, 31):
+        trust.note(step, 2.0 - step * 0.01, None)
+    assert trust.protected([10, 20, 29, 30], 30) == {20, 29}      # anchor 20, candidate 29
+    assert trust.protected([10, 20, 29, 30], 30, final=True) == set()
+    trust.note(31, 9.0, None)                                     # a spike, finite
+    for step in range(32, 37):
+        trust.note(step, 2.0, "gradient norm nan")
+    assert trust.anomalies == list(range(31, 37))
+    steps = [20, 25, 30, 36]
+    assert trust.resume_point(steps, 36) == 20          # 25 and 30 lie within 10 of the spike
+    assert trust.protected(steps, 36) == {20, 25}
+    assert trust.protected(steps, 36, final=True) == {20, 25}     # an anomaly at the end

@@ -134,3 +134,31 @@ def test_a_dead_owners_store_is_swept_and_a_live_ones_kept(tmp_path):
     assert sorted(removed) == sorted([os.path.basename(stale), old_format.name])
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live),
                                                    os.path.basename(other_host)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill9_soak_with_both_locks_held_leaves_no_stale_lock(launcher, corpus, tmp_path):
+    """Issue 31: every process holds the run directory's lock and the disk tier's (its
+    offload.directory outside the run directory); 20 SIGKILLs mid-checkpoint, each followed by
+    a `--resume` that takes both locks again at once (the kernel dropped them with the killed
+    process), and the losses of the same run uninterrupted, bit for bit."""
+    from moescale.dir_lock import LOCK_NAME, claim_directory
+
+    (tmp_path / "ref-disk").mkdir()
+    (tmp_path / "disk").mkdir()
+    extra = {"offload__tier": "disk", "offload__host_cache_bytes": "192KiB"}
+    code, text = launcher.run(loop_args(corpus, tmp_path / "ref", STEPS, **extra,
+                                        offload__directory=str(tmp_path / "ref-disk")), tmp_path)
+    assert code == 0, text
+    result = kill_resume_loop(launcher, corpus, tmp_path / "run", steps=STEPS, kills=KILLS,
+                              extra=dict(extra, offload__directory=str(tmp_path / "disk")))
+    assert result.kills == KILLS and result.resumes == KILLS     # no start refused: not stale
+    hits = sum(n >= 1 for n in result.left_after_kill)
+    assert hits >= KILLS * 3 // 4, f"only {hits} of {KILLS} kills landed during a write"
+    print(f"soak with locks: {result.kills} kills ({hits} mid-write), {result.resumes} resumes")
+    assert result.final_code == 0 and result.final_temps == []
+    assert result.losses == losses(tmp_path / "ref")            # bit for bit
+    for directory in (tmp_path / "run", tmp_path / "disk"):     # removed by the clean end
+        assert not (directory / LOCK_NAME).exists()
+        claim_directory(directory, "test", "fix").release()

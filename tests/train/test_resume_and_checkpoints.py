@@ -42,7 +42,8 @@ def test_resume_equals_uninterrupted(straight, tmp_path):
     run_dir = tmp_path / "run"
     first = Trainer(_config(corpus, run_dir), run_dir, out=open("/dev/null", "w"))
     assert first.run(until_step=STEPS // 2) == 0
-    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [STEPS // 2]
+    # the initial state (step 0) stays until a later checkpoint is trusted (trust.py)
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [0, STEPS // 2]
     del first
     second = Trainer(_config(corpus, run_dir), run_dir, resume=True, out=open("/dev/null", "w"))
     assert second.step == STEPS // 2
@@ -57,7 +58,7 @@ def test_truncated_and_corrupted_checkpoints_are_refused(straight, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     ckpts = dict(list_checkpoints(run_dir / "checkpoints"))
-    assert sorted(ckpts) == [4, 8]
+    assert sorted(ckpts) == [4, 8]      # the initial state went at the normal end (trust.py)
     last = ckpts[8]
     size = last.stat().st_size
     with open(last, "r+b") as f:

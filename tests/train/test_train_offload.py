@@ -65,7 +65,7 @@ def test_offloaded_training_matches_device_only_and_resumes_exactly(
     first = Trainer(_config(corpus, run_dir, **options), run_dir, out=open("/dev/null", "w"))
     assert first.run(until_step=STEPS // 2) == 0
     ckpts = list_checkpoints(run_dir / "checkpoints")
-    assert [s for s, _ in ckpts] == [STEPS // 2]
+    assert [s for s, _ in ckpts] == [0, STEPS // 2]     # the initial state: trust.py
     shards = run_dir / "checkpoints" / f"expert-shards-{STEPS // 2:08d}"
     assert (shards / "rank00000" / "index.json").is_file()
     second = Trainer(_config(corpus, run_dir, **options), run_dir, resume=True,
@@ -75,7 +75,7 @@ def test_offloaded_training_matches_device_only_and_resumes_exactly(
     for a, b in zip(_records(run_dir), got, strict=True):
         for key in ("loss", "val_loss", "grad_norm", "lr", "tokens_per_expert"):
             assert a.get(key) == b.get(key), (key, a["step"])
-    # keep_last 1: the old expert shards went with their checkpoint
+    # keep_last 1 at the end of a run: the old expert shards went with their checkpoints
     stores = sorted(p.name for p in (run_dir / "checkpoints").glob("expert-shards-*"))
     assert stores == [f"expert-shards-{STEPS:08d}"]
 
