@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from moescale.expert_state import expert_state_keys, load_expert_shards
+from moescale.layers.moe import MoE
 from moescale.models import GPT
 from moescale.offload.checkpoint import StoreCheckpointError
 from moescale.train.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
@@ -82,7 +83,7 @@ def _fill(model: GPT, ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: d
         raise ValueError("this run's checkpoints are of the earlier consolidated format (every "
                          "expert in the dense file); load it resident (moescale.load_run), or "
                          "train on to write a checkpoint of the current format")
-    if sharded:
+    if sharded and any(isinstance(m, MoE) for m in model.modules()):   # moe_every 0: dense
         load_expert_shards(model, str(ckpt_dir), state.get("expert_shards") or [],
                            engine=engine, masters_only=engine is not None)
 

@@ -189,24 +189,24 @@ def _flat(values: dict, layout) -> torch.Tensor:
     return torch.cat([values[name].reshape(-1).float() for name in layout.names])
 
 
-def adopt_tokenizer(config: RunConfig, err) -> None:
+def adopt_tokenizer(config: RunConfig) -> list[str]:
     """Set data.tokenizer to model.hf's directory when it holds a tokenizer, or to nanoGPT's
-    meta.pkl beside data.path's train.bin / val.bin, when data.tokenizer is unset (noted on
-    `err`); the run's config.toml records it."""
+    meta.pkl beside data.path's train.bin / val.bin, when data.tokenizer is unset; the run's
+    config.toml records it. Returns the notes to print once the model is built (a run refused
+    later prints its one error line alone)."""
     meta = meta_tokenizer(config.data)
     if meta is not None and config.model.hf is None:
         config.data.tokenizer = meta
-        print(f"data.tokenizer: nanoGPT's character table ({meta})", file=err)
+        return [f"data.tokenizer: nanoGPT's character table ({meta})"]
     hf = config.model.hf
     if hf is None or config.data.tokenizer:
-        return
+        return []
     if any(all((Path(hf) / f).is_file() for f in files) for files in _TOKENIZER_FILES):
         config.data.tokenizer = hf
-        print(f"data.tokenizer: model.hf's own tokenizer ({hf})", file=err)
-    else:
-        print(f"data.tokenizer: model.hf ({hf}) holds no tokenizer (tokenizer.json or vocab.json "
-              "+ merges.txt) and --data.tokenizer is unset: training on UTF-8 byte ids 0-255; "
-              "give --data.tokenizer for the model's own vocabulary", file=err)
+        return [f"data.tokenizer: model.hf's own tokenizer ({hf})"]
+    return [f"data.tokenizer: model.hf ({hf}) holds no tokenizer (tokenizer.json or vocab.json "
+            "+ merges.txt) and --data.tokenizer is unset: training on UTF-8 byte ids 0-255; "
+            "give --data.tokenizer for the model's own vocabulary"]
 
 
 def write_config_copy(run_dir: str | Path, config: RunConfig) -> None:

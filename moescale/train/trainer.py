@@ -128,15 +128,17 @@ class Trainer:
     def _build_model(self, resume: bool) -> None:
         config, tc = self.config, self.config.train
         self.device = resolve_device(tc.device)
-        if not resume:      # resumed: the run's recorded tokenizer, the checkpoint's weights
-            run_model.adopt_tokenizer(config, self.err)
+        # resumed: the run's recorded tokenizer, the checkpoint's weights
+        notes = [] if resume else run_model.adopt_tokenizer(config)
         self.data = load_data(config.data, DEFAULT_CACHE_DIR)
         check_memory(config, self.data.vocab_size, self.device)
         torch.manual_seed(tc.seed)
         self.model = run_model.build_model(config, self.data.vocab_size,
                                            self.parts.expert_device(), self.run_dir)
         if config.model.hf is not None and not resume:
-            print(run_model.load_hf_weights(self.model, config), file=self.err)
+            notes.append(run_model.load_hf_weights(self.model, config))
+        for note in notes:
+            print(note, file=self.err)
         if self.parts.expert_device() is None:   # else: moved once the experts are out
             self.model.to(self.device)
         self.params = self.model.num_parameters()
