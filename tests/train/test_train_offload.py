@@ -80,13 +80,18 @@ def test_offloaded_training_matches_device_only_and_resumes_exactly(
     assert stores == [f"expert-shards-{STEPS:08d}"]
 
 
-def test_auto_mode_reports_the_planner_pick(corpus, tmp_path):
-    run_dir = tmp_path / "auto"
-    config = _config(corpus, run_dir, **{"offload.mode": "auto",
-                                         "offload.device_budget": "4MiB",
-                                         "offload.rates": "a100", "train.steps": "2"})
+def _auto_run(corpus, run_dir, budget: str, steps: str) -> Trainer:
+    """A finished run of tier auto with ES-MoE's A100 rates and this device budget."""
+    config = _config(corpus, run_dir, **{"offload.mode": "auto", "offload.device_budget": budget,
+                                         "offload.rates": "a100", "train.steps": steps})
     trainer = Trainer(config, run_dir, out=open("/dev/null", "w"))
     assert trainer.run() == 0
+    return trainer
+
+
+def test_auto_mode_reports_the_planner_pick(corpus, tmp_path):
+    run_dir = tmp_path / "auto"
+    trainer = _auto_run(corpus, run_dir, "4MiB", "2")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["offload_plan"].startswith("auto:")
     assert "planner picked" in trainer.plan_text
@@ -96,12 +101,7 @@ def test_auto_mode_reports_the_planner_pick(corpus, tmp_path):
 def test_auto_mode_says_what_a_device_pick_runs(corpus, tmp_path):
     """The planner's 'device' mode (all expert state on the device, device AdamW) runs as the
     host tier with every expert pinned: the plan line says so, not just 'picked device'."""
-    run_dir = tmp_path / "auto-device"
-    config = _config(corpus, run_dir, **{"offload.mode": "auto",
-                                         "offload.device_budget": "256MiB",
-                                         "offload.rates": "a100", "train.steps": "1"})
-    trainer = Trainer(config, run_dir, out=open("/dev/null", "w"))
-    assert trainer.run() == 0
+    trainer = _auto_run(corpus, tmp_path / "auto-device", "256MiB", "1")
     assert "planner picked 'device'" in trainer.plan_text
     assert "runs as the host tier with every expert's compute copy pinned on the device" \
         in trainer.plan_text and "hottest 100% pinned" in trainer.plan_text
