@@ -226,8 +226,8 @@ class SimulatedDevice(_DeviceBase):
             dt = dtype if dtype is not None else t.dtype
             if upload:     # into a kept buffer nothing holds any more (no fresh pages)
                 nbytes = t.numel() * dt.itemsize
-                self._copies.keep = max(2, (self.budget_bytes or 0) // max(nbytes, 1) + 1)
-                out.append(self._copies.empty(f"{nbytes}", t.shape, dt).copy_(t))
+                keep = max(2, (self.budget_bytes or 0) // max(nbytes, 1) + 1)   # budget's copies
+                out.append(self._copies.empty(f"{nbytes}", t.shape, dt, keep).copy_(t))
             else:
                 out.append(t.to(dtype=dt, copy=True))
         nbytes = sum(tensor_bytes(t) for t in out)

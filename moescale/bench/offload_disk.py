@@ -95,10 +95,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _format_of(text: str) -> StateFormat:
-    return parse_formats(text)[0]
-
-
 def _expert_params(args) -> int:
     return 2 * args.d_model * args.d_ff
 
@@ -156,7 +152,7 @@ def _probe(args, cold: list[str], request_bytes: int, read_share: float,
 def _child(args) -> dict:
     from moescale.offload import OffloadConfig, offload_moe
 
-    fmt = _format_of(args.format)
+    fmt = parse_formats(args.format)[0]
     geo = RecordGeometry(fmt, _expert_params(args))
     master_row, state_rows = geo.strides[POS_MASTER], geo.offsets[POS_GRAD]
     read_share = (master_row + state_rows) / (master_row + 2 * state_rows)  # the scheme's mix
@@ -297,7 +293,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         formats = _check(args)
-        _format_of(args.format)
+        parse_formats(args.format)
     except ValueError as err:
         print(f"moescale bench offload-disk: {err}", file=sys.stderr)
         return 2

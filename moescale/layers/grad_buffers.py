@@ -27,6 +27,8 @@ way (`empty`), as many per size as its budget holds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 KEEP = 2
@@ -54,19 +56,18 @@ class GradBuffers:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         return self.empty(name, like.shape, like.dtype)
 
-    def empty(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised contiguous CPU tensor, on a kept free storage when there is one."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * dtype.itemsize
+    def empty(self, name: str, shape, dtype: torch.dtype, keep: int | None = None
+              ) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor, on a kept free storage when there is one;
+        `keep`: storages kept under this name (default: the pool's)."""
+        nbytes = math.prod(shape) * dtype.itemsize
         if _STORAGE_USE_COUNT is None:
             return torch.empty(shape, dtype=dtype)
         kept = [s for s in self._kept.get(name, ()) if s.nbytes() == nbytes]
         storage = next((s for s in kept if _use_count(s) == 1), None)
         if storage is None:
             storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-            kept = (kept + [storage])[-self.keep:]
+            kept = (kept + [storage])[-(keep or self.keep):]
         self._kept[name] = kept
         return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))   # contiguous
 
