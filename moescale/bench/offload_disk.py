@@ -189,7 +189,7 @@ def _child(args) -> dict:
         if i == 1:   # the peak of the timed steps alone (not the probes' buffers)
             proc_stats.reset_peak_rss()
         read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.cache.wait_seconds
-        optim0 = engine.optimizer.step_seconds
+        optim0, optim_cpu0 = engine.optimizer.step_seconds, engine.optimizer.step_cpu_seconds
         cached0 = disk_probe.page_cache_bytes()
         dev_io.take(), busy.take()
         cpu0 = os.times()
@@ -209,6 +209,7 @@ def _child(args) -> dict:
             upload_wait_s=engine.cache.wait_seconds - wait0,
             user_cpu_s=cpu1.user - cpu0.user, system_cpu_s=cpu1.system - cpu0.system,
             optimizer_s=engine.optimizer.step_seconds - optim0,
+            optimizer_cpu_s=engine.optimizer.step_cpu_seconds - optim_cpu0,
             min_read_bytes=master_row * sum(routed) + state_rows * experts,
             min_write_bytes=state_rows * experts))
         s = steps[-1]
@@ -221,7 +222,7 @@ def _child(args) -> dict:
               f"{s['bytes_written'] / GIB:.2f} GiB (device {dev_written / GIB:.2f}), disk busy "
               f"{s['disk_busy_s'] or 0:.1f} s, upload wait {s['upload_wait_s']:.1f} s, CPU user "
               f"{s['user_cpu_s']:.1f} s system {s['system_cpu_s']:.1f} s, host optimizer "
-              f"{s['optimizer_s']:.1f} s",
+              f"{s['optimizer_s']:.1f} s (its CPU {s['optimizer_cpu_s']:.1f} s)",
               flush=True)
     steps_peak_rss = proc_stats.peak_rss_bytes()
     peak_cache = store.peak_cache_bytes

@@ -43,6 +43,7 @@ def summarise(args, res: dict) -> dict:
                min_bytes_per_param_per_step=minimum / params,
                optimizer_s_per_step=avg("optimizer_s"),
                optimizer_share_of_step=avg("optimizer_s") / step_s,
+               optimizer_cpu_s_per_step=avg("optimizer_cpu_s"),
                tokens_per_s=args.tokens / step_s, store_read_bytes_per_step=avg("bytes_read"),
                store_write_bytes_per_step=avg("bytes_written"),
                device_read_bytes_per_step=moved_read, device_write_bytes_per_step=moved_write,
@@ -100,7 +101,8 @@ def print_run(res: dict, s: dict, ram: int, targets) -> None:
     print(f"step (median)       {s['step_median_s']:.1f} s "
           f"({', '.join(f'{t:.1f}' for t in s['step_times_s'])}), "
           f"{s['tokens_per_s']:.1f} tokens/s; host optimizer {s['optimizer_s_per_step']:.1f} s "
-          f"per step ({100 * s['optimizer_share_of_step']:.0f}% of the step, on its worker)")
+          f"per step ({100 * s['optimizer_share_of_step']:.0f}% of the step, on its worker; "
+          f"its CPU {s['optimizer_cpu_s_per_step']:.1f} s)")
     print(f"bytes per parameter {s['device_bytes_per_param_per_step']:.2f} per step at the "
           f"device (the scheme's minimum {s['min_bytes_per_param_per_step']:.2f})")
     print(f"store per step      read {s['store_read_bytes_per_step'] / GIB:.2f} GiB, written "

@@ -69,7 +69,8 @@ class OffloadEngine:
             shared_memory=config.shared_memory, io_threads=config.io_threads,
             state=config.state))
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
-                                       config.step_mode)
+                                       config.step_mode,    # a CPU device's cores are shared
+                                       worker_threads=None if cuda else 1)
         self.device = None
         self.cache: DeviceCache | None = None
         self.layers: list = []  # the offloaded expert containers, by store layer

@@ -43,6 +43,7 @@ from torch.optim.adamw import adamw
 
 from moescale.devices import Transfer
 from moescale.offload.records import ALL, G, STATE
+from moescale.offload.omp_team import limit_this_thread
 from moescale.offload.state_format import StateCodec
 from moescale.offload.store import ExpertStore, Key
 
@@ -77,17 +78,25 @@ class AdamWConfig:
 class HostOptimizer:
     """Accumulates expert gradients and steps experts with AdamW on a worker thread."""
 
-    def __init__(self, store: ExpertStore, config: AdamWConfig, mode: str = "eager") -> None:
+    def __init__(self, store: ExpertStore, config: AdamWConfig, mode: str = "eager",
+                 worker_threads: int | None = None) -> None:
+        """worker_threads: the worker's own OpenMP team (omp_team.py; 1 where compute runs
+        on the same cores: a CPU device); None: torch's process-wide setting."""
         if mode not in STEP_MODES:
             raise ValueError(f"step_mode={mode!r} is unknown; use one of {', '.join(STEP_MODES)}")
         self.store, self.config, self.mode = store, config, mode
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="moescale-optim")
+        self.worker_threads = worker_threads
+        self._worker = ThreadPoolExecutor(
+            1, thread_name_prefix="moescale-optim",
+            initializer=None if worker_threads is None else limit_this_thread,
+            initargs=() if worker_threads is None else (worker_threads,))
         self._lock = threading.Lock()
         self._last_task: dict[Key, Future] = {}
         self._step_fence: dict[Key, Future] = {}
         self._stepped: set[Key] = set()
         self._follow = None
-        self.step_seconds = 0.0
+        self.step_seconds = 0.0         # wall time of the worker's steps (waits included)
+        self.step_cpu_seconds = 0.0     # the worker's CPU time in them (its own team's)
         self.skipped_steps = 0     # expert steps refused for a non-finite gradient
         self._codec: StateCodec | None = None   # compact state's work buffers (the worker's)
 
@@ -163,7 +172,7 @@ class HostOptimizer:
         return False
 
     def _step(self, keys: Sequence[Key], hp: dict, grad_coef: float | None) -> None:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         recs = [self.store.acquire(k) for k in keys]
         try:
             stepped = [r for r in recs if self._steppable(r.grad_P)]
@@ -184,6 +193,7 @@ class HostOptimizer:
             for k in keys:
                 self.store.release(k, dirty=True, rows=STATE, grad_zero=True)
         self.step_seconds += time.perf_counter() - start
+        self.step_cpu_seconds += time.thread_time() - cpu_start
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, steps, hp: dict) -> None:
         impl = self.config.impl
@@ -193,21 +203,22 @@ class HostOptimizer:
               eps=hp["eps"], maximize=False)
 
     def _step_compact(self, rec, hp: dict) -> None:
-        """One expert's AdamW on compact state: decode into fp32 work buffers, step, encode
-        (a bf16 master by stochastic rounding keyed by (layer, expert, step))."""
+        """One expert's AdamW on compact state, chunk by chunk: decode into fp32 work buffers,
+        step, encode (a bf16 master by stochastic rounding keyed by (layer, expert, step)).
+        AdamW is elementwise, so each chunk's step is the whole step's on those numbers; every
+        chunk starts from the expert's step count, which then advances once."""
         codec = self._codec
         if codec is None:
             codec = self._codec = StateCodec(self.store.format)
         numel = self.store.layouts[rec.key[0]].numel
-        master_P = codec.decode_master(rec.master_P, numel)
-        exp_avg_P = codec.decode_moment(rec.exp_avg_P, numel, True, "m")
-        exp_avg_sq_P = codec.decode_moment(rec.exp_avg_sq_P, numel, False, "v")
-        self._adamw([master_P], [rec.grad_P], [exp_avg_P], [exp_avg_sq_P], [rec.step_t], hp)
         layer, e = rec.key      # keyed by the global expert: any rank count rounds alike
-        codec.encode_master(master_P, rec.master_P,
-                            (layer, self.store.first_expert[layer] + e, int(rec.step_t)))
-        codec.encode_moment(exp_avg_P, rec.exp_avg_P, True)
-        codec.encode_moment(exp_avg_sq_P, rec.exp_avg_sq_P, False)
+        where = (layer, self.store.first_expert[layer] + e, int(rec.step_t) + 1)
+        count_t = rec.step_t.clone()
+        for lo, hi, master_C, exp_avg_C, exp_avg_sq_C in codec.chunks(
+                rec.master_P, rec.exp_avg_P, rec.exp_avg_sq_P, numel, where):
+            self._adamw([master_C], [rec.grad_P[lo:hi]], [exp_avg_C], [exp_avg_sq_C],
+                        [count_t.copy_(rec.step_t)], hp)
+        rec.step_t.copy_(count_t)
 
     def wait_all(self) -> None:
         """Block until every queued task has run (re-raising the first error)."""
@@ -250,6 +261,8 @@ class HostOptimizer:
                     self._last_task[k] = future
         with self._lock:
             self._stepped.clear()
+        # after every step queued so far (one worker: in order), the spare gradients go
+        self._worker.submit(self.store.drop_spare_grads)
 
     def end_iteration_unstepped(self) -> None:
         """End an iteration without stepping the experts not stepped yet (the caller has

@@ -11,8 +11,8 @@ from torch.optim.adamw import adamw
 from moescale.offload.direct_io import align_up
 from moescale.offload.optimizer import AdamWConfig, HostOptimizer
 from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER
-from moescale.offload.state_format import (BLOCK, RecordGeometry, StateCodec, StateFormat,
-                                           dynamic_map, quantize_reference)
+from moescale.offload.int8_codes import BLOCK, dynamic_map, quantize_reference
+from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 
 INT8 = StateFormat(master="bf16", moments="int8", seed=7)
@@ -199,3 +199,40 @@ def test_formats_refused_with_the_fix():
     assert RecordGeometry(INT8, 1000).offsets[POS_GRAD] == \
         align_up(2000) + 2 * align_up(4 * BLOCK + 16)
     assert RecordGeometry(INT8, 1000).strides[POS_MASTER] == align_up(2000)
+
+
+@pytest.mark.parametrize("fmt", [INT8, StateFormat(master="fp32", moments="int8"),
+                                 StateFormat(master="bf16", moments="bf16", seed=3)],
+                         ids=lambda f: f.name)
+def test_chunked_codec_is_bitwise_the_whole_row_one(fmt):
+    """The codec's chunks (here 512 numbers: several chunks and a last partial block) give
+    bitwise the records of one chunk over the whole row, through an AdamW step driven by
+    `chunks` and through the whole-row encode/decode methods."""
+    numel = 5 * 512 + 37
+    geo = RecordGeometry(fmt, numel)
+    gen = torch.Generator().manual_seed(5)
+    grad = torch.randn(numel, generator=gen) * 1e-2
+    base = torch.zeros(geo.total, dtype=torch.uint8)
+    whole = StateCodec(fmt, chunk=1 << 22)
+    whole.encode_master(torch.randn(numel, generator=gen), geo.typed(base, POS_MASTER), (0, 0, 0))
+    for pos, signed in ((POS_EXP_AVG, True), (POS_EXP_AVG_SQ, False)):
+        x = awkward(numel, seed=pos, signed=signed)
+        whole.encode_moment(x.abs() if not signed else x, geo.typed(base, pos), signed)
+    records = []
+    for chunk in (512, 1 << 22):
+        codec, record = StateCodec(fmt, chunk=chunk), base.clone()
+        rows = [geo.typed(record, pos) for pos in (POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ)]
+        count_t = torch.tensor(3.0)
+        for lo, hi, master_C, m_C, v_C in codec.chunks(*rows, numel, (1, 2, 4)):
+            adamw([master_C], [grad[lo:hi]], [m_C], [v_C], [], [count_t.fill_(3.0)],
+                  fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-2,
+                  weight_decay=0.1, eps=1e-8, maximize=False)
+        records.append(record)
+        decoded = [codec.decode_master(rows[0], numel).clone(),
+                   codec.decode_moment(rows[1], numel, True, "m").clone(),
+                   codec.decode_moment(rows[2], numel, False, "v").clone()]
+        records.append(torch.cat([d.view(torch.uint8) for d in decoded]))
+    assert torch.equal(records[0], records[2])
+    assert torch.equal(records[1], records[3])
+    with pytest.raises(ValueError, match="multiple of 256 dividing"):
+        StateCodec(fmt, chunk=1000)

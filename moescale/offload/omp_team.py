@@ -1,0 +1,59 @@
+"""One thread's own OpenMP team size: the host optimizer's worker runs its torch ops on itself
+alone, beside the compute thread's team instead of on top of it.
+
+`torch.set_num_threads` is process-wide, but the OpenMP runtime keeps the team size per thread
+(an `omp_set_num_threads` call on a thread sets that thread's own value), and torch's parallel
+loops ask it on the calling thread. On a machine with few cores, a worker that steps experts
+with a team of its own competes with the forward/backward's team: both wait at barriers for
+threads that are not running (on 2 cores, more than half of the worker's time went there).
+So the worker calls `limit_this_thread(1)` once, after torch has set up the thread (its first
+parallel query), and its ops then run inline.
+
+The call goes to the OpenMP runtime that torch loaded (libgomp, libomp or libiomp5, found among
+the process's mapped libraries); where none is found (no /proc, another runtime), nothing
+changes and the call says so.
+
+Deliberately not here: which threads call it (optimizer.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+
+import torch
+
+RUNTIMES = ("libgomp", "libomp", "libiomp5")
+
+
+@lru_cache(maxsize=1)
+def _runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime mapped into this process, or None."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so")
+                     or ".so." in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(RUNTIMES):
+            try:
+                lib = ctypes.CDLL(path)
+                lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+                return lib
+            except (OSError, AttributeError):
+                continue
+    return None
+
+
+def limit_this_thread(threads: int) -> bool:
+    """Run this thread's torch ops on a team of `threads`; True if the runtime took it."""
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
+    torch.get_num_threads()     # torch's per-thread set-up first (it would reset the value)
+    lib = _runtime()
+    if lib is None:
+        return False
+    lib.omp_set_num_threads(threads)
+    return torch.get_num_threads() == threads
