@@ -37,6 +37,11 @@ class ExpertState(Protocol):
     tier: str          # "resident", or the store's tier: "host" | "disk" (disk records link)
     store: object      # the ExpertStore behind it (disk-tier records are linked), or None
     engine: object     # an offload engine to synchronize before reading or writing, or None
+    stacked: bool      # state dicts name the layer's tensors stacked [E, ...] under the spec's
+                       # names (GroupedExperts'); False: per expert, `experts.<e>.<name>`
+
+    def masters(self, l: int) -> Tensors:
+        """Copies of local expert l's fp32 master tensors, whatever the tier (export)."""
 
     def read(self, l: int) -> tuple[Tensors, Moments | None]:
         """Local expert l's fp32 master tensors and (exp_avg, exp_avg_sq, step) or None."""
@@ -62,6 +67,7 @@ class ResidentAccess:
         self.key, self.optimizer = key, optimizer
         if (stacked is None) == (modules is None):
             raise ValueError("ResidentAccess takes either stacked parameters or modules")
+        self.stacked = stacked is not None
         if stacked is not None:
             self._stacked = list(stacked)
             self._modules = None
@@ -86,6 +92,10 @@ class ResidentAccess:
     @staticmethod
     def _part(t: torch.Tensor, index: int | None) -> torch.Tensor:
         return t if index is None else t[index]
+
+    def masters(self, l: int) -> Tensors:
+        return {n: self._part(p.detach(), i).to(torch.float32, copy=True)
+                for n, p, i in self.tensors(l)}
 
     def read(self, l: int) -> tuple[Tensors, Moments | None]:
         master = {n: self._part(p.detach(), i) for n, p, i in self.tensors(l)}

@@ -141,6 +141,7 @@ class OffloadedExpertsBase(nn.Module):
     run_expert_backward(e, gy_ND, x_ND, w_P, hidden, scale_N, need_dx) -> (dx, grads, ds)."""
 
     capabilities = frozenset({ROUTED, CHUNKED, STREAMED, STATE_ACCESS})
+    stacked_state = False     # state-dict names per expert (module experts); grouped: stacked
 
     def __init__(self, engine, layer_index: int, num_experts: int, d_model: int,
                  layout) -> None:
@@ -164,7 +165,8 @@ class OffloadedExpertsBase(nn.Module):
     def state_access(self, key: str, optimizer=None, engine=None):
         """STATE_ACCESS: this layer of the engine's store (`engine`: another engine holding it)."""
         owner = engine if engine is not None else self.engine
-        return StoreAccess(key, owner.store, self.layer_index, engine=owner)
+        return StoreAccess(key, owner.store, self.layer_index, engine=owner,
+                           stacked=self.stacked_state)
 
     def anchor_for_grad_mode(self) -> torch.Tensor:
         """The zero-size input that makes backward run (detached when grad is off)."""
@@ -213,6 +215,7 @@ class OffloadedGroupedExperts(OffloadedExpertsBase):
     """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
 
     capabilities = OffloadedExpertsBase.capabilities | {FFN_SHAPE}
+    stacked_state = True
 
     def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
                  act: Activation, glu: bool, bias: bool, layout) -> None:

@@ -20,8 +20,10 @@ from moescale.offload.store import ExpertStore
 class StoreAccess:
     """One layer of an ExpertStore: records of master, gradient accumulator and moments."""
 
-    def __init__(self, key: str, store: ExpertStore, layer: int, engine=None) -> None:
+    def __init__(self, key: str, store: ExpertStore, layer: int, engine=None,
+                 stacked: bool = True) -> None:
         self.key, self.store, self.layer, self.engine = key, store, layer, engine
+        self.stacked = stacked
         layout = store.layouts[layer]
         self.spec = list(zip(layout.names, layout.shapes))
         self.layout = layout
@@ -29,6 +31,15 @@ class StoreAccess:
     @property
     def tier(self) -> str:
         return self.store.config.tier
+
+    def masters(self, l: int) -> Tensors:
+        """Copies of expert l's fp32 master (any tier; a bf16 master converts exactly)."""
+        key = (self.layer, l)
+        rec = self.store.acquire(key)
+        try:
+            return dict(self.layout.split(rec.master_P.to(torch.float32, copy=True)))
+        finally:
+            self.store.release(key)
 
     def read(self, l: int) -> tuple[Tensors, Moments]:
         """A host-tier record's fp32 state: views, or decoded copies of compact state (the

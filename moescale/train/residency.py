@@ -48,7 +48,7 @@ def _moes(model) -> list[MoE]:
 
 def _local_experts(moe: MoE) -> int:
     """The experts this rank holds of a layer (an expert-parallel shard holds its own)."""
-    return max(1, getattr(moe.experts, "num_local_experts", moe.num_experts))
+    return max(1, len(moe.experts.expert_ids))
 
 
 def shard_role_of(exchange) -> tuple[bool, None]:
