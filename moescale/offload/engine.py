@@ -41,6 +41,7 @@ from torch import nn
 
 from moescale.devices import SimulatedDevice, make_device
 from moescale.layers.experts import GroupedExperts, ModuleExperts
+from moescale.layers.grouped_ffn import PARAM_NAMES
 from moescale.layers.moe import MoE
 from moescale.layers.protocol import SHARD, capabilities_of
 from moescale.offload.cache import DeviceCache
@@ -82,8 +83,7 @@ class OffloadEngine:
 
     # ----------------------------------------------------------------- setup
     def add(self, experts: GroupedExperts, expert_init=None) -> OffloadedGroupedExperts:
-        params = [(n, getattr(experts, n)) for n in
-                  ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED") if getattr(experts, n) is not None]
+        params = [(n, getattr(experts, n)) for n in PARAM_NAMES if getattr(experts, n) is not None]
         layout = ExpertLayout([(n, tuple(p.shape[1:])) for n, p in params])
         layer_index = len(self.store.layouts)
         if expert_init is not None:
