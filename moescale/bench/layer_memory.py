@@ -1,6 +1,7 @@
 """Peak RSS delta of one forward + backward of one `moescale bench layer` implementation.
 
-Each measurement runs in a fresh Python process (`python -m moescale.bench.layer_memory`), so
+Each measurement runs in a fresh Python process (`python -m moescale.bench.layer_memory_child`),
+so
 that no other implementation's freed heap is reused or counted: it builds the same case as the
 benchmark (same weights, same input), runs one warm-up step (one-time allocations: oneDNN
 scratch, thread pools, the first weight gradients), drops the gradients, returns freed heap to
@@ -60,27 +61,6 @@ def step_rss_delta(step, reset) -> int:
     return max(0, peak_kib - before_kib) * 1024
 
 
-def _child(spec: dict) -> dict:
-    from moescale.bench import layer
-    from moescale.bench.ep_memory_rank import release_freed_memory
-    from moescale.bench.layer_impls import Candidate, ensure_process_group
-
-    release_freed_memory()
-    torch.set_num_threads(spec["threads"])
-    opts = layer.LayerBenchOptions(**spec["options"])
-    case = layer.LayerCase(**spec["case"])
-    if "deepspeed" in opts.peers:
-        ensure_process_group()
-    moe, built = layer.build_candidates(case, layer.DTYPES[spec["dtype"]], opts)
-    cand = next(c for c in built if isinstance(c, Candidate) and c.name == spec["impl"])
-
-    def reset() -> None:
-        cand.reset()
-        if cand.family == "moescale":       # its kept gradient storage counts as the step's
-            moe.experts.release_grad_buffers()
-    return {"impl": cand.name, "rss_delta_bytes": step_rss_delta(cand.step, reset)}
-
-
 def measure(impl: str, family: str, case, dtype_name: str, opts, timeout_s: float = 900.0):
     """Peak RSS delta (bytes) of `impl` on this case in a fresh process; None if unavailable."""
     if not (os.path.exists("/proc/self/clear_refs") and sys.platform.startswith("linux")):
@@ -92,14 +72,11 @@ def measure(impl: str, family: str, case, dtype_name: str, opts, timeout_s: floa
                "out": None}
     spec = {"impl": impl, "dtype": dtype_name, "case": asdict(case), "options": options,
             "threads": torch.get_num_threads()}
-    proc = subprocess.run([sys.executable, "-m", "moescale.bench.layer_memory", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "moescale.bench.layer_memory_child",
+                           json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"memory probe of {impl!r} failed (rc {proc.returncode}): {tail[0]}")
     return json.loads(lines[-1])["rss_delta_bytes"]
-
-
-if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import torch
 import xxhash
 
-from moescale.expert_state.holdings import HeldLayer, StoreAccess, held_layers
+from moescale.expert_state.holdings import HeldLayer, held_layers
 from moescale.expert_state.index import (TENSOR_FILE, ShardCheckpointError, check_entry,
                                          file_path, layout_of, read_index, tensor_name)
 from moescale.expert_state.save import selected
@@ -234,7 +234,7 @@ def _jobs(directory: str, layers: list[HeldLayer], picks, where) -> tuple[list[_
 
 def _adoptable(job: _Job) -> bool:
     access = job.layer.access
-    if not job.record or not isinstance(access, StoreAccess) or access.tier != "disk" or \
+    if not job.record or access.store is None or access.tier != "disk" or \
             job.geometry.fmt.name != access.store.format.name:
         return False      # another format: decoded and written in the store's
     return os.stat(job.path).st_dev == os.stat(access.store.config.directory).st_dev
@@ -279,7 +279,7 @@ def load_expert_shards(model, directory: str, manifests, *, optimizer=None, engi
         for layer in layers:
             layer.access.finish()
         for store in {id(x.access.store): x.access.store for x in layers
-                      if isinstance(x.access, StoreAccess)}.values():
+                      if x.access.store is not None}.values():
             store.flush()
     finally:
         reader.close()

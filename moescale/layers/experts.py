@@ -21,9 +21,10 @@ from torch import nn
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.activations import Activation
 from moescale.layers.grad_buffers import GradBuffers
-from moescale.layers.grouped_ffn import FFNWeights
+from moescale.layers.grouped_ffn import PARAM_NAMES, FFNWeights
 from moescale.layers.grouped_ffn_autograd import GroupedFFNRouted, GroupedFFNRows
-from moescale.layers.protocol import FFN_SHAPE, GROUPED_WEIGHTS, ROUTED
+from moescale.layers.protocol import FFN_SHAPE, GROUPED_WEIGHTS, ROUTED, STATE_ACCESS
+from moescale.layers.state_access import ResidentAccess
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -39,7 +40,7 @@ class GroupedExperts(nn.Module):
     Plain: y = act(x W1 + b1) W2 + b2. GLU (Llama/Mixtral style): y = (act(x W1) * (x W3)) W2.
     """
 
-    capabilities = frozenset({ROUTED, GROUPED_WEIGHTS, FFN_SHAPE})
+    capabilities = frozenset({ROUTED, GROUPED_WEIGHTS, FFN_SHAPE, STATE_ACCESS})
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *,
                  activation: str | Callable = "gelu", glu: bool = False, bias: bool = False,
@@ -148,6 +149,11 @@ class GroupedExperts(nn.Module):
             y_ND = y_ND + self.b2_ED[e]
         return y_ND
 
+    def state_access(self, key: str, optimizer=None, engine=None) -> ResidentAccess:
+        """STATE_ACCESS: the stacked parameters, expert dim first (moescale.layers.state_access)."""
+        return ResidentAccess(key, optimizer, stacked=[
+            (n, getattr(self, n)) for n in PARAM_NAMES if getattr(self, n) is not None])
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, d_ff={self.d_ff}, "
                 f"activation={self.act.name}, glu={self.glu}, bias={self.b1_EF is not None}")
@@ -159,7 +165,7 @@ class ModuleExperts(nn.Module):
     Heterogeneous lists are fine; the experts run one after another on their rows.
     """
 
-    capabilities: frozenset[str] = frozenset()
+    capabilities: frozenset[str] = frozenset({STATE_ACCESS})
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -194,3 +200,7 @@ class ModuleExperts(nn.Module):
 
     def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
         return self.experts[e](x_ND)
+
+    def state_access(self, key: str, optimizer=None, engine=None) -> ResidentAccess:
+        """STATE_ACCESS: one module per expert (moescale.layers.state_access)."""
+        return ResidentAccess(key, optimizer, modules=self.experts)

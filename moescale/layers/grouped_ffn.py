@@ -173,6 +173,10 @@ class FFNWeights:
                             (self.w1_EDF, self.w2_EFD, self.w3_EDF, self.b1_EF, self.b2_ED)))
 
 
+# The stacked tensors of a layer of FFN experts, in FFNWeights' (and every store layout's) order.
+PARAM_NAMES = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")
+
+
 def _pick(t: torch.Tensor | None, e: int):
     return None if t is None else t[e]
 

@@ -28,6 +28,10 @@ choose a fast path by capability, never by probing attributes:
                    container accumulates the placement's gradients itself (shared store)
   SHARD            a slice of a layer's experts (expert parallelism): `local` is the inner
                    container, whose capabilities the shard passes on
+  STATE_ACCESS     state_access(key, optimizer=None, engine=None) -> ExpertState: the held
+                   experts' weights and optimizer state, read and written one expert at a
+                   time (moescale.layers.state_access); checkpoints, export and resharding
+                   reach expert state only through it
 
 Containers without CHUNKED are pipelined by `AutogradChunkRunner`: the chunk's rows through
 `forward_rows` under autograd, kept or re-run in backward (activation checkpointing per chunk).
@@ -52,7 +56,9 @@ CHUNKED = "chunked"
 STREAMED = "streamed"
 PLACED = "placed"
 SHARD = "shard"
-CAPABILITIES = frozenset({ROUTED, GROUPED_WEIGHTS, FFN_SHAPE, CHUNKED, STREAMED, PLACED, SHARD})
+STATE_ACCESS = "state_access"
+CAPABILITIES = frozenset({ROUTED, GROUPED_WEIGHTS, FFN_SHAPE, CHUNKED, STREAMED, PLACED, SHARD,
+                          STATE_ACCESS})
 
 
 @runtime_checkable

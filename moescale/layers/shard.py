@@ -74,5 +74,10 @@ class ExpertShard(nn.Module):
         """Global expert e (must be held here)."""
         return self.local.expert_forward(e - self._expert_ids.start, x_ND)
 
+    def state_access(self, key: str, optimizer=None, engine=None):
+        """STATE_ACCESS (when the local container has it): the local experts' state, local index l
+        = global expert expert_ids.start + l."""
+        return self.local.state_access(key, optimizer, engine)
+
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, holds={self._expert_ids}"

@@ -13,9 +13,9 @@ The format (version 1):
   them under these names when saving: `merge_expert_shards` assembles per-rank slices and
   `slice_experts` cuts the rows a rank owns when loading. `ModuleExperts` keep their own
   per-expert names (`<moe>.experts.experts.<e>.<param>`).
-- experts kept outside the module tree: `consolidated_state_dict(model)` reads offloaded
-  containers (`offload_moe`) through their engine's public `expert_state(layer, e)` (fp32
-  masters), under the names above. Loading goes into a model before it is offloaded (build,
+- experts kept outside the module tree: `consolidated_state_dict(model)` reads containers that
+  declare STREAMED (offloaded by `offload_moe`, node stores) through their `state_access`
+  (moescale.layers.state_access: fp32 master copies), under the names above. Loading goes into a model before it is offloaded (build,
   `load_checkpoint`, then `offload_moe`). Dtypes are kept (fp32 masters stay fp32). Tensors
   that share storage (tied embeddings) are written once.
 - header metadata (safetensors' str -> str map): `format` = "moescale-consolidated",
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from moescale.atomic import atomic_path
-from moescale.models.resident import dense_state_dict, is_offloaded
+from moescale.models.resident import dense_state_dict, expert_masters, is_offloaded
 
 FORMAT_NAME = "moescale-consolidated"
 FORMAT_VERSION = "1"
@@ -60,9 +60,8 @@ def _external_experts(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """The experts a container keeps outside its parameters (names relative to it), or None."""
     if not is_offloaded(module):
         return None
-    per_expert = [module.engine.expert_state(module.layer_index, e)
-                  for e in range(module.num_experts)]
-    if hasattr(module, "glu"):    # offloaded GroupedExperts: stack under the same names
+    per_expert = expert_masters(module)
+    if module.state_access("experts").stacked:     # stacked FFN experts: the same names
         return {name: torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
     return {f"experts.{e}.{name}": t for e, p in enumerate(per_expert) for name, t in p.items()}
 

@@ -50,6 +50,7 @@ from torch import nn
 
 from moescale.atomic import new_directory
 from moescale.layers.moe import MoE
+from moescale.layers.protocol import FFN_SHAPE, SHARD, capabilities_of
 from moescale.models.checkpoint import consolidated_state_dict
 from moescale.models.gpt import GPT, GPTConfig
 
@@ -94,10 +95,11 @@ def check_gpt(cfg: GPTConfig) -> None:
 def _check_moe(moe: MoE, where: str) -> str:
     """The HF hidden_act of a moefied layer's MoE, or ValueError naming what does not map."""
     cfg, rc = moe.config, moe.router.config
-    experts = getattr(moe.experts, "local", moe.experts)
-    if getattr(experts, "glu", None) is not True:
+    experts = moe.experts.local if SHARD in capabilities_of(moe.experts) else moe.experts
+    glu = experts.glu if FFN_SHAPE in capabilities_of(experts) else None
+    if glu is not True:
         raise ValueError(f"{where}: experts {type(experts).__name__} (glu="
-                         f"{getattr(experts, 'glu', None)}) have no Mixtral equivalent; Mixtral "
+                         f"{glu}) have no Mixtral equivalent; Mixtral "
                          "needs stacked GLU experts without bias (moefy a gated MLP with "
                          "mlp_bias=False)")
     if cfg.bias:

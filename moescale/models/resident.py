@@ -29,6 +29,7 @@ from torch import nn
 
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
+from moescale.layers.protocol import SHARD, STATE_ACCESS, STREAMED, ExpertContainer
 from moescale.layers.shard import mark_expert_parameters
 
 
@@ -37,9 +38,21 @@ class OffloadedExpertsWarning(UserWarning):
 
 
 def is_offloaded(module: nn.Module) -> bool:
-    """Whether `module` is an offloaded expert container (its experts live in an engine)."""
-    return getattr(module, "layer_index", None) is not None and \
-        callable(getattr(getattr(module, "engine", None), "expert_state", None))
+    """Whether `module` is an expert container whose experts live outside its parameters (it
+    declares STREAMED and STATE_ACCESS; an ExpertShard answers through its `local`)."""
+    if not isinstance(module, ExpertContainer):
+        return False
+    caps = module.capabilities
+    return STREAMED in caps and STATE_ACCESS in caps and SHARD not in caps
+
+
+def expert_masters(experts: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Copies of every held expert's fp32 master tensors, through the container's
+    state_access (after its engine's queued steps)."""
+    access = experts.state_access("experts")
+    if access.engine is not None:
+        access.engine.synchronize()
+    return [access.masters(l) for l in range(len(experts.expert_ids))]
 
 
 def warn_offloaded_state_dict(module, state_dict, prefix, local_metadata) -> None:
@@ -68,9 +81,9 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _plain(off: nn.Module, device: torch.device) -> nn.Module:
     """Plain experts holding an offloaded container's fp32 masters."""
-    states = [off.engine.expert_state(off.layer_index, e) for e in range(off.num_experts)]
-    modules = getattr(off, "_modules_list", None)
-    if modules is not None:             # module experts: each module gets its tensors back
+    states = expert_masters(off)
+    if not off.state_access("experts").stacked:   # module experts: each module gets its own
+        modules = off._modules_list
         for m, state in zip(modules, states):
             m.load_state_dict({k: v.detach().clone().to(device) for k, v in state.items()},
                               assign=True)
@@ -87,12 +100,11 @@ def resident_model(model: nn.Module) -> nn.Module:
     """Give every offloaded MoE layer of `model` plain resident experts again (in place; see the
     module docstring); returns `model`. A model with no offloaded layer is returned as it is."""
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        holder = moe.experts if hasattr(moe.experts, "local") else moe
+        holder = moe.experts if SHARD in moe.experts.capabilities else moe
         attr = "local" if holder is not moe else "experts"
         off = getattr(holder, attr)
         if not is_offloaded(off):
             continue
-        off.engine.synchronize()
         plain = _plain(off, moe.router.weight.device)
         setattr(holder, attr, plain if holder is moe else mark_expert_parameters(plain))
     return model

@@ -5,7 +5,8 @@ See docs/offloading.md for the data flow, fences and memory accounting.
 """
 
 from moescale.offload.config import OffloadConfig
-from moescale.offload.engine import OffloadEngine, offload_moe
+from moescale.offload.engine import OffloadEngine
+from moescale.offload.entry import offload_moe
 from moescale.offload.optimizer import AdamWConfig, HostOptimizer
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 

@@ -25,8 +25,8 @@ import shutil
 import psutil
 from torch import nn
 
-from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE
+from moescale.layers.protocol import FFN_SHAPE, capabilities_of
 from moescale.offload.planner import A100_NODE, Budgets, ModelSpec, plan
 from moescale.offload.rates import measure_rates
 
@@ -45,7 +45,7 @@ def model_spec(model: nn.Module, tokens: int, dtype: str, master: str = "fp32",
     first = moes[0]
     expert_ids = {id(p) for m in moes for p in m.experts.parameters()}
     dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
-    glu = isinstance(first.experts, GroupedExperts) and first.experts.glu
+    glu = FFN_SHAPE in capabilities_of(first.experts) and first.experts.glu
     return ModelSpec(moe_layers=len(moes), d_model=first.config.d_model,
                      d_ff=first.config.d_ff, num_experts=max(m.num_experts for m in moes),
                      top_k=first.config.top_k, tokens=tokens, glu=glu, dtype=dtype,

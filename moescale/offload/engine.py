@@ -1,4 +1,4 @@
-"""offload_moe(model, OffloadConfig(...)): move the experts of a model's MoE layers out of it.
+"""The engine behind offload_moe (entry.py): move the experts of a model's MoE layers out of it.
 
 Every `MoE` layer gets its expert weights copied (fp32) into one shared `ExpertStore` and its
 `experts` replaced by `OffloadedGroupedExperts` (for GroupedExperts) or
@@ -25,8 +25,8 @@ behind the static or the pipelined exchange: the store holds this rank's local e
 its own shard (docs/offloading.md, "Offloading with expert parallelism"). Nothing here knows
 the exchange: the dispatchers call the containers through moescale.layers.protocol.
 
-`OffloadConfig(tier="auto", tokens_per_micro_batch=..., device_budget_bytes=...)` lets the
-planner pick the mode (auto.py); `engine.plan` then holds its estimates and pick.
+`build_engine` takes a concrete tier; `OffloadConfig(tier="auto", ...)` is resolved by the
+planner above the engine (entry.py: offload_moe, auto.py), and `engine.plan` holds its pick.
 
 Deliberately not here: the planner's model (planner.py), the dense half of a checkpoint (the
 trainer's).
@@ -41,9 +41,9 @@ from torch import nn
 
 from moescale.devices import SimulatedDevice, make_device
 from moescale.layers.experts import GroupedExperts, ModuleExperts
+from moescale.layers.grouped_ffn import PARAM_NAMES
 from moescale.layers.moe import MoE
-from moescale.layers.shard import ExpertShard
-from moescale.offload.auto import resolve_auto
+from moescale.layers.protocol import SHARD, capabilities_of
 from moescale.offload.cache import DeviceCache
 from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.checkpoint import load_store, save_store
@@ -75,7 +75,7 @@ class OffloadEngine:
         self.cache: DeviceCache | None = None
         self.layers: list = []  # the offloaded expert containers, by store layer
         self.last_micro_batch = True
-        self.plan = None  # set by offload_moe for tier='auto'
+        self.plan = None  # set by offload_moe (entry.py) for tier='auto'
         self._trace: list[tuple[int, list[int]]] = []
         self._grad_coef: float | None = None
         self.moved = MovedParameters()    # what offload_moe took out (usage_checks.py)
@@ -84,8 +84,7 @@ class OffloadEngine:
 
     # ----------------------------------------------------------------- setup
     def add(self, experts: GroupedExperts, expert_init=None) -> OffloadedGroupedExperts:
-        params = [(n, getattr(experts, n)) for n in
-                  ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED") if getattr(experts, n) is not None]
+        params = [(n, getattr(experts, n)) for n in PARAM_NAMES if getattr(experts, n) is not None]
         layout = ExpertLayout([(n, tuple(p.shape[1:])) for n, p in params])
         layer_index = len(self.store.layouts)
         if expert_init is not None:
@@ -327,18 +326,8 @@ def _shifted(expert_init, start: int):
     return init
 
 
-def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
-                expert_init=None) -> OffloadEngine:
-    """Move the experts of every MoE layer of `model` into an ExpertStore (in place).
-
-    expert_init(layer, expert, layout) -> flat fp32 [layout.numel], if given, initialises the
-    store instead of the experts' own weights: models built on the meta device never hold
-    their experts in memory (grouped experts only; `expert` is the global id, also for
-    expert-parallel layers). `model.state_dict()` afterwards warns that the experts are not in
-    it (moescale.models.resident: consolidated_state_dict / resident_model give them back)."""
-    from moescale.models.resident import warn_offloaded_state_dict
-
-    config = config or OffloadConfig()
+def offloadable_layers(model: nn.Module, config: OffloadConfig) -> list[MoE]:
+    """The model's MoE layers, or the ValueError that says why there is nothing to offload."""
     if config.tier == "device-only":
         raise ValueError("tier='device-only' keeps the experts resident on the device: there is "
                          "nothing to offload; give tier='host', 'pin', 'disk' or 'auto', or do "
@@ -347,21 +336,21 @@ def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,
     if not moes:
         raise ValueError("offload_moe found no MoE layer in the model; build it with "
                          "moescale.MoE layers (or convert its FFNs first)")
-    shards = [_expert_shard(m) for m in moes]
-    planned = None
+    return moes
+
+
+def build_engine(model: nn.Module, config: OffloadConfig, *,
+                 expert_init=None) -> OffloadEngine:
+    """offload_moe for a concrete tier (host, pin, disk): tier 'auto' is resolved above the
+    engine (entry.py: offload_moe), so the engine never imports the planner."""
+    from moescale.models.resident import warn_offloaded_state_dict
+
     if config.tier == "auto":
-        if config.tokens_per_micro_batch is None or config.device_budget_bytes is None:
-            raise ValueError("tier='auto' needs tokens_per_micro_batch=<tokens per "
-                             "micro-batch> and device_budget_bytes=<device memory for "
-                             "training>, the planner's inputs")
-        if any(s is not None for s in shards):
-            raise ValueError("tier='auto' plans one process's experts; this model is "
-                             "expert-parallel (ExpertShard layers): give tier='host' or "
-                             "'disk' and a device budget per rank")
-        config, estimates, pick = resolve_auto(model, config)
-        planned = (estimates, pick)
+        raise ValueError("build_engine takes a concrete tier; tier='auto' goes through "
+                         "moescale.offload.offload_moe, which asks the planner first")
+    moes = offloadable_layers(model, config)
+    shards = [expert_shard(m) for m in moes]
     engine = OffloadEngine(config)
-    engine.plan = planned  # (the planner's estimates, its pick) when tier was 'auto'
     engine.store.reserve_disk(sum(_disk_bytes(m, s, config.state) for m, s in zip(moes, shards)))
     for moe, shard in zip(moes, shards):
         experts = moe.experts if shard is None else shard.local
@@ -396,12 +385,12 @@ def _disk_bytes(moe: MoE, shard, state: StateFormat) -> int:
     return RecordGeometry(state, numel).offsets[POS_GRAD] * num
 
 
-def _expert_shard(moe: MoE) -> ExpertShard | None:
-    """The layer's ExpertShard when it is expert-parallel, else None.
+def expert_shard(moe: MoE):
+    """The layer's ExpertShard (its SHARD capability) when it is expert-parallel, else None.
 
     The store then holds this rank's L local experts (store expert l = global expert
     shard.expert_ids.start + l). Any exchange that calls the container works behind it: the
     static dispatcher calls forward_rows, the pipelined one chunk_runner (CHUNKED), and both
     scale the gradient (x 1/W in, x W out), so expert gradients reach the store at the mean
     scale with no parameter involved."""
-    return moe.experts if isinstance(moe.experts, ExpertShard) else None
+    return moe.experts if SHARD in capabilities_of(moe.experts) else None

@@ -39,12 +39,13 @@ from torch import nn
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.activations import Activation
 from moescale.layers.experts import compute_dtype
-from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward, mm_into
-from moescale.layers.protocol import CHUNKED, FFN_SHAPE, ROUTED, STREAMED
+from moescale.layers.grouped_ffn import (PARAM_NAMES, FFNWeights, ffn_backward, ffn_forward,
+                                         mm_into)
+from moescale.layers.protocol import CHUNKED, FFN_SHAPE, ROUTED, STATE_ACCESS, STREAMED
 from moescale.offload.chunked import StreamedChunkRunner, row_starts
+from moescale.offload.store_access import StoreAccess
 
 POLICIES = ("keep", "recompute", "offload")
-PARAM_NAMES = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -139,7 +140,8 @@ class OffloadedExpertsBase(nn.Module):
     math for expert e: run_expert(e, x_ND, w_P, keep_hidden) -> (y_ND, hidden or None) and
     run_expert_backward(e, gy_ND, x_ND, w_P, hidden, scale_N, need_dx) -> (dx, grads, ds)."""
 
-    capabilities = frozenset({ROUTED, CHUNKED, STREAMED})
+    capabilities = frozenset({ROUTED, CHUNKED, STREAMED, STATE_ACCESS})
+    stacked_state = False     # state-dict names per expert (module experts); grouped: stacked
 
     def __init__(self, engine, layer_index: int, num_experts: int, d_model: int,
                  layout) -> None:
@@ -159,6 +161,12 @@ class OffloadedExpertsBase(nn.Module):
     @property
     def expert_ids(self) -> range:
         return range(self.num_experts)
+
+    def state_access(self, key: str, optimizer=None, engine=None):
+        """STATE_ACCESS: this layer of the engine's store (`engine`: another engine holding it)."""
+        owner = engine if engine is not None else self.engine
+        return StoreAccess(key, owner.store, self.layer_index, engine=owner,
+                           stacked=self.stacked_state)
 
     def anchor_for_grad_mode(self) -> torch.Tensor:
         """The zero-size input that makes backward run (detached when grad is off)."""
@@ -207,6 +215,7 @@ class OffloadedGroupedExperts(OffloadedExpertsBase):
     """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
 
     capabilities = OffloadedExpertsBase.capabilities | {FFN_SHAPE}
+    stacked_state = True
 
     def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
                  act: Activation, glu: bool, bias: bool, layout) -> None:

@@ -127,14 +127,14 @@ def _stream_probe(rows: int, d_model: int, d_ff: int, glu: bool, top_k: int,
                   experts: int = STREAM_EXPERTS) -> tuple[_Probe, Callable[[], None]]:
     """(the probe, its close) of an offloaded layer's training step; amount: expert FLOPs."""
     from moescale.layers.moe import MoE
-    from moescale.offload.engine import OffloadConfig, offload_moe
+    from moescale.offload.engine import OffloadConfig, build_engine
     tokens = max(1, rows * experts // top_k)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         layer = MoE(d_model, experts, top_k, d_ff=d_ff, glu=glu)
         x = torch.randn(tokens, d_model)
-    engine = offload_moe(layer, OffloadConfig(tier="host", device="cpu", step_mode="eager",
-                                              device_budget_experts=3))
+    engine = build_engine(layer, OffloadConfig(tier="host", device="cpu", step_mode="eager",
+                                               device_budget_experts=3))
 
     probe = _Probe(None, 6 * tokens * top_k * (3 if glu else 2) * d_model * d_ff)
 

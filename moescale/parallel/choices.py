@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from torch import nn
 
+from moescale.layers.moe import MoE
 from moescale.parallel.pipeline import PipelinedExpertParallelDispatcher
 
 __all__ = ["PipelineChoice", "pipeline_choices"]
@@ -36,10 +37,10 @@ def pipeline_choices(model: nn.Module) -> dict[str, PipelineChoice]:
     ("" names `model` itself); layers not yet called, and other dispatchers, are left out."""
     choices = {}
     for name, module in model.named_modules():
-        dispatcher = getattr(module, "dispatcher", None)
-        if not isinstance(dispatcher, PipelinedExpertParallelDispatcher):
+        if not isinstance(module, MoE) or \
+                not isinstance(module.dispatcher, PipelinedExpertParallelDispatcher):
             continue
-        stats = dispatcher.last_stats
+        stats = module.dispatcher.last_stats
         if "chunks" in stats and "strategy" in stats:
             choices[name] = PipelineChoice(int(stats["chunks"]), str(stats["strategy"]))
     return choices

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
 from moescale.layers.experts import compute_dtype
+from moescale.layers.moe import MoE
 from moescale.layers.protocol import PLACED, STREAMED, capabilities_of
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, collective_errors
 from moescale.parallel.expert_parallel import inverse_permutation, segments_index
@@ -87,7 +88,7 @@ def placement_stats(model: torch.nn.Module) -> dict[str, float]:
     layers: the worst layer's max/mean modelled device load, and the sums of the layers'
     max and mean loads (empty when no layer uses dynamic placement or none ran yet)."""
     stats = [m.dispatcher.stats for m in model.modules()
-             if isinstance(getattr(m, "dispatcher", None), DynamicPlacementDispatcher)
+             if isinstance(m, MoE) and isinstance(m.dispatcher, DynamicPlacementDispatcher)
              and m.dispatcher.stats is not None]
     if not stats:
         return {}

@@ -41,16 +41,15 @@ from torch.optim.adamw import adamw
 
 from moescale.layers.activations import Activation
 from moescale.layers.experts import GroupedExperts, compute_dtype
-from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward
+from moescale.layers.grouped_ffn import PARAM_NAMES, FFNWeights, ffn_backward, ffn_forward
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import PLACED, STREAMED
+from moescale.layers.protocol import PLACED, STATE_ACCESS, STREAMED
 from moescale.offload.records import STATE
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
+from moescale.offload.store_access import StoreAccess
 from moescale.parallel.all_to_all import collective_errors
 from moescale.parallel.dynamic import DynamicPlacementDispatcher
 from moescale.parallel.placement import PlacementConfig
-
-PARAM_NAMES = ("w1_EDF", "w2_EFD", "w3_EDF", "b1_EF", "b2_ED")
 
 
 def grouped_layout(experts: GroupedExperts) -> ExpertLayout:
@@ -142,7 +141,7 @@ class SharedStoreExperts(nn.Module):
     Declares PLACED (the dynamic dispatcher calls forward_placed with the placement's owners)
     and STREAMED (no parameters: gradients go to the store)."""
 
-    capabilities = frozenset({PLACED, STREAMED})
+    capabilities = frozenset({PLACED, STREAMED, STATE_ACCESS})
 
     def __init__(self, store: ExpertStore, layer_index: int, d_model: int, d_ff: int,
                  activation, glu: bool, bias: bool) -> None:
@@ -160,6 +159,10 @@ class SharedStoreExperts(nn.Module):
     @property
     def expert_ids(self) -> range:
         return range(self.num_experts)
+
+    def state_access(self, key: str, optimizer=None, engine=None) -> StoreAccess:
+        """STATE_ACCESS: this layer of the node's store (every expert; `share` splits the writing)."""
+        return StoreAccess(key, self.store, self.layer_index)
 
     def weights(self) -> FFNWeights:
         """Stacked zero-copy views of the fp32 masters ([E, ...] each)."""

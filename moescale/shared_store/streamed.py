@@ -43,11 +43,12 @@ from moescale.devices import make_device
 from moescale.layers.activations import Activation
 from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward
-from moescale.layers.protocol import FFN_SHAPE, PLACED, STREAMED
+from moescale.layers.protocol import FFN_SHAPE, PLACED, STATE_ACCESS, STREAMED
 from moescale.offload.cache import DeviceCache
 from moescale.offload.chunked import row_starts
 from moescale.offload.records import G
 from moescale.offload.store import ExpertStore
+from moescale.offload.store_access import StoreAccess
 from moescale.parallel.all_to_all import collective_errors
 from moescale.shared_store.experts import PARAM_NAMES, SharedStoreExperts
 
@@ -163,7 +164,7 @@ class StreamedSharedExperts(nn.Module):
     """All E FFN experts of one layer of the node's store, streamed through this rank's device
     (see the module docstring). Declares PLACED, STREAMED and FFN_SHAPE."""
 
-    capabilities = frozenset({PLACED, STREAMED, FFN_SHAPE})
+    capabilities = frozenset({PLACED, STREAMED, FFN_SHAPE, STATE_ACCESS})
 
     def __init__(self, store: ExpertStore, layer_index: int, rank_device: RankDevice,
                  d_model: int, d_ff: int, activation, glu: bool, bias: bool,
@@ -192,6 +193,10 @@ class StreamedSharedExperts(nn.Module):
     @property
     def expert_ids(self) -> range:
         return range(self.num_experts)
+
+    def state_access(self, key: str, optimizer=None, engine=None) -> StoreAccess:
+        """STATE_ACCESS: this layer of the node's host or disk store."""
+        return StoreAccess(key, self.store, self.layer_index)
 
     @property
     def tier(self) -> str:

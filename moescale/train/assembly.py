@@ -7,14 +7,15 @@
 2. the exchange (exchange.py): local, static expert-parallel (plain or pipelined all-to-all),
    or dynamic placement;
 3. the residency (residency.py): resident, or offloaded into each rank's ExpertStore (host or
-   disk tier).
+   disk tier); under dynamic placement the node's shared store (shared_store/residency.py).
 
 `prepare(model)` applies the library's calls to the built model in the same order (exchange,
 then residency) and keeps the expert-step handle the residency returns (moescale.expert_step:
 a no-op for resident experts, the offload engine's host optimizer, or the shared store's
 owners). The trainer's loop only talks to the ranks, the exchange (gradient sync, per-step
 metrics), the step handle and the checkpoint state (run_state.py). No class exists per
-combination: a part that cannot serve a combination refuses it with its own error.
+combination: a part that cannot serve a combination refuses it with its own error. The
+exchange and the residency are reached only through parts.py's Protocols.
 """
 
 from __future__ import annotations
@@ -68,10 +69,7 @@ class Assembly:
         """After the model is built, before the optimizer: exchange, then residency."""
         self.state = RunState(self.exchange, self.residency, self.ranks, model)
         self.exchange.prepare(model)
-        if self.exchange.kind == "dynamic" and self.residency.kind == "resident":
-            self.step = self.exchange.step_handle()     # the shared store, computed in place
-        else:    # dynamic placement: the node's store streamed through each rank's device
-            self.step = self.residency.prepare(model, self.exchange)
+        self.step = self.residency.prepare(model, self.exchange)
 
     def attach(self, model, optimizer) -> None:
         """Called with the dense optimizer once it exists."""
@@ -104,17 +102,9 @@ class Assembly:
         return out
 
     def plan(self, device) -> tuple[str, str]:
-        """(short name, one line for the summary)."""
-        name, text = self.residency.describe(device)
-        where = self.exchange.describe()
-        if not where:
-            return name, text
-        if self.residency.kind == "resident":
-            return name, f"device-only, {where} on {device}"
-        if self.exchange.kind == "dynamic":    # the residency says where the store lives
-            how = "LPT + hot-expert splitting" if self.exchange.config.parallel.split else "LPT"
-            return name, f"{text}; placed each iteration by {how} on the node's ranks"
-        return name, f"{text}; {where}"
+        """(short name, one line for the summary): the residency's words around the
+        exchange's."""
+        return self.residency.describe(device, self.exchange.describe())
 
     def close(self) -> None:
         self.residency.close()

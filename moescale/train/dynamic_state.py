@@ -1,7 +1,7 @@
 """Dynamic placement resuming from a consolidated checkpoint (the format before sharded ones).
 
-Under dynamic placement (train/exchange.py `DynamicExchange`) the experts live in the node's
-shared store, not in the model, and the dense optimizer holds dense parameters only. A
+Under dynamic placement the experts live in the node's shared store (the residency's `store`,
+`layers` and `layout`: shared_store/residency.py), not in the model, and the dense optimizer holds dense parameters only. A
 consolidated checkpoint (legacy_state.py) holds the single-process state: expert weights
 (model state) and their AdamW moments and step counts (optimizer state, at the single-process
 parameter indices); the dense optimizer's entries are renumbered to this process's indices, and
@@ -25,8 +25,8 @@ STORE_ROWS = {"exp_avg": 2, "exp_avg_sq": 3}   # offload.store EXP_AVG, EXP_AVG_
 class DynamicState:
     """Loads a consolidated checkpoint into the shared store + dense optimizer."""
 
-    def __init__(self, exchange, model_before_prepare) -> None:
-        self.exchange = exchange
+    def __init__(self, residency, model_before_prepare) -> None:
+        self.residency = residency
         self.expert_keys = {}        # single-process key "<moe>.experts.<name>" -> (layer, name)
         named = [(n, m) for n, m in model_before_prepare.named_modules()
                  if isinstance(m, MoE)]
@@ -47,7 +47,7 @@ class DynamicState:
 
     @property
     def layers(self):
-        return self.exchange.layers
+        return self.residency.layers
 
     def _slot(self, key: str):
         """(layer, [E, P_i] view of store row `row`'s slice, the tensor's shape) of a key."""
@@ -67,7 +67,7 @@ class DynamicState:
         view(row).copy_(value.reshape(layer.num_experts, -1))
 
     def _step_t(self, layer_index: int, e: int) -> torch.Tensor:
-        return self.exchange.store.acquire((layer_index, e)).step_t
+        return self.residency.store.acquire((layer_index, e)).step_t
 
     def load_model_state(self, model, state) -> None:
         state = dict(state)
@@ -76,7 +76,7 @@ class DynamicState:
         if missing:
             raise KeyError(f"expert weights {missing[:3]} missing from the checkpoint")
         model.load_state_dict(state)
-        if self.exchange.layout.local_rank == 0:     # every node's store
+        if self.residency.layout.local_rank == 0:     # every node's store
             for key, value in experts.items():
                 self._write_expert(key, 0, value)
 
@@ -119,7 +119,7 @@ class DynamicState:
         """Each node's local rank 0 writes the experts' moments and step counts into its
         store."""
         loaded, self._loaded = self._loaded, {}
-        if self.exchange.layout.local_rank != 0:
+        if self.residency.layout.local_rank != 0:
             return
         for (pname, key), value in loaded.items():
             if key in STORE_ROWS:

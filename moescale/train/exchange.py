@@ -11,12 +11,13 @@ where each rank's experts live. One class per exchange, none per combination:
   expert parallelism, the experts split over the expert-parallel group, with MPipeMoE's
   pipelined all-to-all when `parallel.chunks` / `parallel.reuse` ask (`setup_expert_parallel`'s
   dispatchers). After backward the dense gradients are averaged over the world.
-- `DynamicExchange` (`parallel.placement dynamic`): ES-MoE's dynamic placement. The ranks of a
-  node share one host copy of the experts (in /dev/shm); every iteration each layer places them
-  by LPT on the node's ranks (`parallel.split`: hot experts' rows sharded). Resident, its
-  experts compute on that host copy in place (its own step handle); offloaded (host or disk
-  tier), the node's store is streamed through each rank's device (residency.py,
+- `DynamicExchange` (`parallel.placement dynamic`): ES-MoE's dynamic placement. Every iteration
+  each layer places its experts by LPT on the node's ranks (`parallel.split`: hot experts' rows
+  sharded). It only exchanges: where the experts live is the residency's (the node's ranks
+  share one host copy in /dev/shm, computed in place or streamed through each rank's device:
   shared_store/residency.py).
+
+Each exchange satisfies parts.py's `Exchange` Protocol.
 
 An exchange's `step_metrics` adds the modelled per-rank load (and the pipelined layers'
 choices) to each step's record. Checkpoints are run_state.py's (sharded).
@@ -32,16 +33,12 @@ import torch
 import torch.distributed as dist
 
 from moescale.layers.moe import MoE
-from moescale.offload.planner import fmt_bytes
 from moescale.parallel.choices import pipeline_choices
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
                                        static_load_stats)
-from moescale.shared_store.experts import dynamic_placement_moe
-from moescale.shared_store.step import SharedStoreStep
 from moescale.parallel.expert_parallel import expert_parallel_model
 from moescale.parallel.grad_sync import allreduce_gradients
 from moescale.parallel.groups import ParallelConfig, init_distributed
-from moescale.shared_store.node_store import node_expert_store
 from moescale.parallel.nodes import node_layout
 from moescale.parallel.placement import PlacementConfig
 from moescale.parallel.setup import dispatcher_factory
@@ -116,7 +113,6 @@ def check_launch(config: RunConfig) -> None:
 class LocalExchange:
     """Every expert on this process; no exchange (see the module docstring)."""
 
-    kind = "local"
     groups = None
 
     def prepare(self, model) -> None:
@@ -140,8 +136,6 @@ class LocalExchange:
 
 class StaticExchange:
     """Experts split over the ranks of an expert-parallel group (plain or pipelined)."""
-
-    kind = "static"
 
     def __init__(self, config: RunConfig, ranks) -> None:
         pc = config.parallel
@@ -192,10 +186,8 @@ class StaticExchange:
 
 
 class DynamicExchange:
-    """The ranks of a node share the experts; each iteration LPT places them; nodes hold
-    replicas (see the module docstring and docs/dynamic_placement.md)."""
-
-    kind = "dynamic"
+    """Each iteration LPT places a layer's experts on the node's ranks; nodes hold replicas
+    (see the module docstring and docs/dynamic_placement.md)."""
 
     def __init__(self, config: RunConfig, ranks) -> None:
         check_launch(config)
@@ -213,35 +205,21 @@ class DynamicExchange:
                                                       backend="gloo",
                                                       timeout_s=config.parallel.timeout_s))
         self.ranks = ranks
-        self.store = None
-        self.layers = []             # SharedStoreExperts, store layer order
-        self.named = []              # (name, MoE) in the single-process model
         self._calls = []             # placement_stats of this step's micro-batches
         self._micro = 0
         self._model = None
 
     def prepare(self, model) -> None:
-        self.named = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
-        node = self.groups.ep_group
-        self.store = node_expert_store([m for _, m in self.named], node, node=self.layout.node)
-        index = {id(m): i for i, (_, m) in enumerate(self.named)}
+        """Every MoE layer gets a DynamicPlacementDispatcher over the node's ranks (its
+        balance-loss statistics summed over the world). The experts are the residency's."""
         placement = PlacementConfig(num_devices=self.layout.node_size,
                                     split=self.config.parallel.split)
-        rng = torch.get_rng_state()     # building layers must not shift the run's RNG stream
-        for module in list(model.modules()):
-            for cname, child in list(module.named_children()):
-                if isinstance(child, MoE) and id(child) in index:
-                    setattr(module, cname, dynamic_placement_moe(
-                        child, self.store, index[id(child)], node, placement,
-                        stats_group=dist.group.WORLD))
-        torch.set_rng_state(rng)
-        self.layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
+        for moe in model.modules():
+            if isinstance(moe, MoE):
+                moe.dispatcher = DynamicPlacementDispatcher(
+                    self.groups.ep_group, moe.num_experts, placement,
+                    stats_group=dist.group.WORLD)
         self._model = model
-        assert [x.layer_index for x in self.layers] == list(range(len(self.named)))
-
-    def step_handle(self):
-        """The expert-step handle of the shared store (its experts' residency)."""
-        return SharedStoreStep(self.layers, self.layout, self.groups)
 
     def sync_grads(self, model) -> None:
         allreduce_gradients(model, self.groups)   # after it every backward has finished
@@ -255,7 +233,8 @@ class DynamicExchange:
         if keep and stats:
             self._calls.append(stats)
         for module in self._model.modules():
-            if isinstance(getattr(module, "dispatcher", None), DynamicPlacementDispatcher):
+            if isinstance(module, MoE) and isinstance(module.dispatcher,
+                                                      DynamicPlacementDispatcher):
                 module.dispatcher.stats = None
 
     def step_metrics(self, model, counts) -> dict:
@@ -284,17 +263,11 @@ class DynamicExchange:
         return out
 
     def describe(self) -> str:
-        nbytes = sum(x.records().numel() * 4 for x in self.layers)
         how = "LPT + hot-expert splitting" if self.config.parallel.split else "LPT"
-        nodes = self.layout.num_nodes
-        where = "" if nodes == 1 else (f" on each of {nodes} nodes (replicas, gradients "
-                                       f"averaged across nodes)")
-        return (f"experts in one host copy shared by the {self.layout.node_size} local "
-                f"ranks{where} ({fmt_bytes(nbytes)} in /dev/shm: weights, gradients, AdamW "
-                f"moments), placed each iteration by {how}")
+        return f"placed each iteration by {how}"
 
     def close(self) -> None:
-        self.store = None     # the mapping goes with the last reference (the file is gone)
+        pass
 
 
 def make_exchange(config: RunConfig, ranks):

@@ -38,11 +38,13 @@ from moescale.train.dynamic_state import DynamicState
 class LegacyState:
     """Loads a consolidated checkpoint (see the module docstring)."""
 
-    def __init__(self, exchange, residency, ranks, model) -> None:
+    def __init__(self, exchange, residency, ranks, model, node_shared: bool = False) -> None:
+        """node_shared: the residency keeps the experts in one store shared by the node's
+        ranks (its shard_role has a share): they load through DynamicState."""
         self.exchange, self.residency, self.ranks = exchange, residency, ranks
         self.dynamic = None
-        if exchange.kind == "dynamic":
-            self.dynamic = DynamicState(exchange, model)
+        if node_shared:
+            self.dynamic = DynamicState(residency, model)
         self._expert_pids: dict[int, torch.nn.Parameter] = {}
 
     @property

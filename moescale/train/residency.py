@@ -48,14 +48,20 @@ def _moes(model) -> list[MoE]:
 
 def _local_experts(moe: MoE) -> int:
     """The experts this rank holds of a layer (an expert-parallel shard holds its own)."""
-    return max(1, getattr(moe.experts, "num_local_experts", moe.num_experts))
+    return max(1, len(moe.experts.expert_ids))
+
+
+def shard_role_of(exchange) -> tuple[bool, None]:
+    """A rank's own experts: one data-parallel replica of them writes (residency's shard_role)."""
+    groups = exchange.groups
+    return groups is None or groups.dp_rank == 0, None
 
 
 class Resident:
     """Every expert a parameter of the model, on the device."""
 
-    kind = "resident"
     engine = None
+    streams_experts = False
 
     def expert_device(self) -> str | None:
         return None
@@ -63,7 +69,12 @@ class Resident:
     def prepare(self, model, exchange) -> ResidentStep:
         return ResidentStep(exchange.groups)
 
-    def describe(self, device) -> tuple[str, str]:
+    def shard_role(self, exchange) -> tuple[bool, None]:
+        return shard_role_of(exchange)
+
+    def describe(self, device, where: str) -> tuple[str, str]:
+        if where:
+            return "device-only", f"device-only, {where} on {device}"
         return "device-only", f"device-only (every expert resident on {device})"
 
     def close(self) -> None:
@@ -73,7 +84,7 @@ class Resident:
 class Offloaded:
     """This rank's experts in its own ExpertStore, streamed through a device budget."""
 
-    kind = "offloaded"
+    streams_experts = True
 
     def __init__(self, config: RunConfig, run_dir: Path, ranks) -> None:
         oc = config.offload
@@ -172,7 +183,14 @@ class Offloaded:
                     "checkpoint at the end, hard-linked: no extra space), lower train.keep_last, "
                     "or free space")
 
-    def describe(self, device) -> tuple[str, str]:
+    def shard_role(self, exchange) -> tuple[bool, None]:
+        return shard_role_of(exchange)
+
+    def describe(self, device, where: str) -> tuple[str, str]:
+        name, text = self._describe()
+        return name, f"{text}; {where}" if where else text
+
+    def _describe(self) -> tuple[str, str]:
         cfg, store = self.engine.config, self.engine.store
         budget = self.engine.device.budget_bytes
         itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
@@ -248,20 +266,23 @@ def check_residency(config: RunConfig) -> None:
 
 def make_residency(config: RunConfig, run_dir: Path, ranks, exchange):
     """The residency `config.offload` asks for; under dynamic placement the node's shared store
-    streamed through each rank's device (moescale.shared_store.residency)."""
+    (moescale.shared_store.residency): computed in place (device-only) or streamed through each
+    rank's device (host, disk)."""
     check_residency(config)
-    if config.offload.tier == "device-only":
-        return Resident()
-    if exchange.kind == "dynamic":      # the node's shared store, streamed per rank
-        from moescale.shared_store.residency import DynamicOffload
+    if config.parallel.placement == "dynamic":   # the node's shared store (shared_store/)
+        from moescale.shared_store.residency import DynamicOffload, SharedResident
 
         oc = config.offload
+        if oc.tier == "device-only":
+            return SharedResident()
         root = Path(oc.directory) if oc.directory else run_dir / "expert-store"
         return DynamicOffload(tier=oc.tier, directory=str(root), mode=oc.tier,
                               device_budget_bytes=oc.device_budget_bytes,
                               device_budget_experts=oc.device_budget_experts,
                               host_cache_bytes=oc.host_cache_bytes,
                               activation_policy=oc.activation_policy, lookahead=oc.lookahead)
+    if config.offload.tier == "device-only":
+        return Resident()
     if ranks.world_size > 1 and exchange.groups.world_size != exchange.groups.ep_size:
         raise ValueError(f"offload.tier={config.offload.tier!r} with {ranks.world_size} "
                          f"processes and parallel.ep_size={exchange.groups.ep_size}: offloaded "

@@ -46,26 +46,16 @@ class RunState:
 
     def __init__(self, exchange, residency, ranks, model) -> None:
         self.exchange, self.residency, self.ranks = exchange, residency, ranks
-        self.legacy = LegacyState(exchange, residency, ranks, model)
+        # who writes which experts: the residency's word (parts.py: Residency.shard_role)
+        self.writes_experts, self.share = residency.shard_role(exchange)
+        self.legacy = LegacyState(exchange, residency, ranks, model, node_shared=self.share
+                                  is not None)
         self.model = self.optimizer = None
 
     def attach(self, model, optimizer) -> None:
         """Called once the model is prepared and the dense optimizer built."""
         self.model, self.optimizer = model, optimizer
         self.legacy.attach(model, optimizer)
-
-    # -- who writes which experts --------------------------------------------------------
-    def _share(self) -> tuple[int, int] | None:
-        if self.exchange.kind == "dynamic":      # the node's ranks split its shared store
-            layout = self.exchange.layout
-            return layout.local_rank, layout.node_size
-        return None
-
-    def _writes_experts(self) -> bool:
-        if self.exchange.kind == "dynamic":
-            return self.exchange.layout.node == 0     # every node holds the same replica
-        groups = self.exchange.groups
-        return groups is None or groups.dp_rank == 0  # one data-parallel replica
 
     # -- save ----------------------------------------------------------------------------
     def _names(self) -> tuple[dict[int, str], set[int]]:
@@ -110,11 +100,11 @@ class RunState:
     def save_experts(self, ckpt_dir: Path, step: int) -> dict | None:
         """This rank's expert shard (None: another replica writes these experts, or there
         are none)."""
-        if not self._writes_experts() or self._dense():
+        if not self.writes_experts or self._dense():
             return None
         return save_expert_shards(self.model, str(ckpt_dir), rank=self.ranks.rank,
                                   tag=f"{step:08d}", optimizer=self.optimizer,
-                                  engine=self.residency.engine, share=self._share())
+                                  engine=self.residency.engine, share=self.share)
 
     def after_save(self, ckpt_dir: Path) -> None:
         """Remove the expert shards (and older formats' stores) of checkpoints not kept."""
@@ -142,9 +132,9 @@ class RunState:
             return
         load_expert_shards(self.model, str(ckpt_dir), state.get("expert_shards") or [],
                            optimizer=self.optimizer, engine=self.residency.engine,
-                           share=self._share())
-        if self.exchange.kind == "dynamic":
-            self.ranks.barrier()       # the node's store is whole before anyone reads it
+                           share=self.share)
+        if self.share is not None:
+            self.ranks.barrier()       # a shared store is whole before anyone reads it
 
     def _load_dense_optimizer(self, tensors, rest: dict) -> None:
         names, _ = self._names()

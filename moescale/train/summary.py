@@ -37,10 +37,10 @@ def imbalance(counts_LE: list[list[int]]) -> float:
     return worst
 
 
-def postfix_text(record: dict, rate: float, residency: str) -> str:
+def postfix_text(record: dict, rate: float, streamed: bool) -> str:
     """The progress bar's postfix for a step: loss, tokens/s (`rate`, smoothed), lr, expert
-    imbalance, the modelled device load (if logged) and, with offloaded experts, wait_s."""
-    wait = f" wait {record['wait_s']:.3f}s" if residency == "offloaded" else ""
+    imbalance, the modelled device load (if logged) and, with streamed experts, wait_s."""
+    wait = f" wait {record['wait_s']:.3f}s" if streamed else ""
     return (f"loss {record['loss']:.3f} tok/s {rate:,.0f} lr {record['lr']:.2e} "
             f"imb {record['imbalance']:.2f}" + wait + load_text(record))
 

@@ -338,7 +338,7 @@ class Trainer:
                 self.metrics.write(record)
                 self.stop_requested = self.ranks.any(self.stop_requested)  # ranks agree
                 bar.update(1)
-                bar.set_postfix_str(postfix_text(record, rate, self.parts.residency.kind),
+                bar.set_postfix_str(postfix_text(record, rate, self.parts.residency.streams_experts),
                                     refresh=False)
                 self.trust.note(self.step, record["loss"], record.get("skipped"))
                 self.guard.record(self.step, record.get("skipped"))   # may stop the run

@@ -48,7 +48,8 @@ def _train_rank(rank: int, world: int, tree: dict, run_dir: str):
     backend = trainer.parts.exchange
     if backend.layout.local_rank != 0:
         return code, None, None
-    state = [x.store.shared_state()[x.layer_index] for x in backend.layers]
+    layers = trainer.parts.residency.layers     # the node store's experts (the residency's)
+    state = [x.store.shared_state()[x.layer_index] for x in layers]
     return code, backend.layout.node, [(d.clone().numpy(), s.clone().numpy()) for d, s in state]
 
 
