@@ -69,8 +69,12 @@ class OffloadEngine:
             shared_memory=config.shared_memory, io_threads=config.io_threads,
             state=config.state))
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
-                                       config.step_mode,    # a CPU device's cores are shared
-                                       worker_threads=None if cuda else 1)
+                                       config.step_mode,
+                                       # eager on a CPU device: the steps run beside backward's
+                                       # compute on the same cores, so on a team of their own;
+                                       # deferred ones run while the compute waits: all cores
+                                       worker_threads=None if cuda or
+                                       config.step_mode == "deferred" else 1)
         self.device = None
         self.cache: DeviceCache | None = None
         self.layers: list = []  # the offloaded expert containers, by store layer
