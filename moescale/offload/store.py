@@ -14,12 +14,15 @@ Tiers:
 - `disk`: one file per expert, moved by direct I/O through a fixed pool of host slots whose
   size (`host_cache_bytes`) is the tier's real host memory; reads ahead and writes behind from
   the schedule the layers announce (`set_upcoming`), Belady eviction; only the rows an access
-  needs are read and a zero gradient accumulator is never persisted (disk_tier.py).
+  needs are read and a zero gradient accumulator is never persisted (disk_tier.py); every
+  read is checked against the chunk sums recorded when the row was written (`verify_reads`).
 
 Errors: a missing, non-directory or unwritable disk directory raises ValueError at
 construction; too little free space for the files raises OSError(ENOSPC) before anything is
 written (`reserve_disk` checks every layer at once); a write that fails later (disk full)
-raises OSError naming the file.
+raises OSError naming the file; a read whose bytes do not match their recorded sums raises
+`CorruptReadError` (an OSError) naming the layer, expert, file and byte offset, in the access
+that needed them.
 
 `thread_read_wait_s()`: the seconds the calling thread has blocked in disk-tier acquires (a
 training step's own record reads, e.g. its gradient-norm pass; counted per thread, so the copy
@@ -139,7 +142,7 @@ class ExpertStore:
             cache = self.config.host_cache_bytes
             self.disk = DiskTier(self.config.directory, cache or 0, self.config.io_threads,
                                  self.config.pin_memory, direct_io=self.config.direct_io,
-                                 state=self.format)
+                                 state=self.format, verify_reads=self.config.verify_reads)
         geo = RecordGeometry(self.format, layout.numel)
         record = geo.total
         cache = self.disk.host_cache_bytes
@@ -203,7 +206,8 @@ class ExpertStore:
             raise ValueError(f"attach_disk needs tier='disk', not {config.tier!r}")
         store = cls(config)
         store.disk = DiskTier(config.directory, config.host_cache_bytes or 0, config.io_threads,
-                              config.pin_memory, direct_io=config.direct_io, state=config.state)
+                              config.pin_memory, direct_io=config.direct_io, state=config.state,
+                              verify_reads=config.verify_reads)
         for layer, layout in enumerate(layouts):
             num = sum(1 for key in sums if key[0] == layer)
             store.disk.register_layer(layout.numel)
@@ -416,7 +420,10 @@ class ExpertStore:
 
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
-        if self._dir_lock is not None:
-            self._dir_lock.release()
+        try:
+            if self.disk is not None:
+                self.disk.close()
+        finally:     # a failed last write-back still gives the directory back
+            if self._dir_lock is not None:
+                self._dir_lock.release()
+                self._dir_lock = None
