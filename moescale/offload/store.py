@@ -5,7 +5,9 @@ flattened into P numbers), the gradient accumulator, and AdamW's two moments, in
 compact format (state_format.py: a bf16 master, bf16 or int8 moments; a compact host store
 keeps an expert's gradient only from its backward to its step); plus its
 optimizer step count (`step_t`, a scalar tensor as torch's AdamW wants) and a `version` bumped
-by every optimizer step (device copies of an older version are stale).
+by every optimizer step (device copies of an older version are stale); and its `origin`, the
+xxh3-64 of the fp32 master it was built with (the run's identity: a checkpoint records it, so
+that another run's checkpoint is not loaded silently; None for a blank or attached store).
 
 Tiers:
 - `host`: one `[E, 4, P]` tensor per layer in RAM, pinned under CUDA, optionally in shared
@@ -45,6 +47,7 @@ import warnings
 from typing import Callable, Iterable, Sequence
 
 import torch
+import xxhash
 
 from moescale.dir_lock import claim_directory
 from moescale.offload import records
@@ -79,6 +82,8 @@ class ExpertStore:
         self._grads: dict[Key, torch.Tensor] = {}   # compact host records' gradients
         self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
         self._dir_lock = None   # the disk tier's directory, owned (moescale/dir_lock.py)
+        self.origins: dict[Key, str | None] = {}   # run identity: xxh3-64 of the initial
+                                                   # fp32 master (None: blank or attached)
 
     # ----------------------------------------------------------------- construction
     def reserve_disk(self, total_bytes: int) -> None:
@@ -103,6 +108,8 @@ class ExpertStore:
             if master_P.numel() != layout.numel:
                 raise ValueError(f"init({e}) has {master_P.numel()} numbers; the layout wants "
                                  f"{layout.numel}")
+            self.origins[(layer, e)] = xxhash.xxh3_64_hexdigest(
+                memoryview(master_P.cpu().contiguous().numpy()))
             return master_P
 
         steps_E = torch.zeros(num_experts, dtype=torch.float32)
@@ -232,6 +239,7 @@ class ExpertStore:
         for e in range(steps_E.numel()):
             self._steps[(layer, e)] = steps_E[e]  # a 0-dim view: AdamW increments it in place
             self.versions[(layer, e)] = 0
+            self.origins.setdefault((layer, e), None)
 
     def keys(self) -> Iterable[Key]:
         for layer, n in enumerate(self.num_experts):
