@@ -137,7 +137,8 @@ def test_a_store_filled_from_a_checkpoint_verifies_its_first_read(tmp_path):
 
 
 def test_verification_can_be_turned_off(tmp_path):
-    store = make(tmp_path, verify_reads=False)
+    (tmp_path / "s").mkdir(), (tmp_path / "e").mkdir()
+    store = make(tmp_path / "s", verify_reads=False)
     try:
         flip(store.path((0, 2)), 3, bit=0x01)
         got = master_of(store, 2)
@@ -145,6 +146,13 @@ def test_verification_can_be_turned_off(tmp_path):
         assert store.disk.io.bytes_verified == 0
     finally:
         store.close()
+    from equivalence_models import make_model   # --offload.verify_reads false reaches it
+    from moescale.offload import OffloadConfig, offload_moe
+    engine = offload_moe(make_model(), OffloadConfig(
+        tier="disk", directory=str(tmp_path / "e"), device_budget_experts=2,
+        verify_reads=False))
+    assert engine.store.disk.verify_reads is False
+    engine.close()
 
 
 def test_direct_io_names_the_damaged_chunk_of_a_multi_chunk_read(tmp_path):
