@@ -57,7 +57,8 @@ import warnings
 import torch
 
 from moescale.atomic import atomic_write_text, publish_dir
-from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up, chunk_sums
+from moescale.offload.direct_io import (CHUNK_BYTES, CorruptReadError, DirectIO, SlotPool,
+                                       align_up, chunk_sums)
 from moescale.offload.records import (POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER, STATE,
                                       G, rows_of)
 from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat, format_of
@@ -207,6 +208,8 @@ def _publish(directory: str, tag: str, layouts, num_experts, write,
         atomic_write_text(os.path.join(directory, LATEST), name)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, CorruptReadError):   # a damaged store file, not a full disk
+            raise
         raise OSError(err.errno, f"could not write the expert-store checkpoint under "
                       f"{directory!r} ({err.strerror or err}); the previous checkpoint is intact "
                       "(free disk space or choose another directory, then save again)") from err

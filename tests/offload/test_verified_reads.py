@@ -217,3 +217,45 @@ def test_xxhash_hashes_without_holding_the_gil():
 
     assert stamps_inside(lambda: bytes(mv)) == 0        # the method sees a held GIL
     assert stamps_inside(lambda: xxhash.xxh3_64_intdigest(mv)) > 0
+
+
+def _failed_read_ahead(store, key):
+    """Flip a byte of key's master row and let a read-ahead of it fail (kept for its access)."""
+    store.drop_cache()
+    flip(store.path(key), 10)
+    store.set_upcoming([(key, M)])
+    entry = store.disk._cache[key]
+    with store.disk._lock:                   # the read's callback records its error
+        while entry.busy is not None:
+            store.disk._changed.wait()
+        assert isinstance(entry.error, CorruptReadError)
+
+
+def test_a_checkpoint_after_a_failed_read_ahead_fails_as_corruption_and_writes_nothing(tmp_path):
+    """A read-ahead whose record is never accessed keeps its error; the next checkpoint (the
+    library's store checkpoint and the trainer's expert shards) raises it as it is, not as a
+    full disk, and leaves nothing behind."""
+    from equivalence_models import make_model
+    from moescale.expert_state import save_expert_shards
+    from moescale.offload import OffloadConfig, offload_moe
+
+    for sub in ("s", "ckpt", "e", "shards"):
+        (tmp_path / sub).mkdir()
+    store = make(tmp_path / "s")
+    _failed_read_ahead(store, (0, 1))
+    with pytest.raises(CorruptReadError, match=r"layer 0 expert 1 \(master row\)"):
+        save_store(store, str(tmp_path / "ckpt"), "1")
+    assert os.listdir(tmp_path / "ckpt") == []
+    store.close()
+
+    model = make_model()
+    engine = offload_moe(model, OffloadConfig(tier="disk", directory=str(tmp_path / "e"),
+                                              host_cache_bytes=3 * 4 * 4 * 1024,
+                                              device_budget_experts=2))
+    _failed_read_ahead(engine.store, (1, 2))
+    with pytest.raises(CorruptReadError, match=r"layer 1 expert 2 \(master row\)"):
+        save_expert_shards(model, str(tmp_path / "shards"), rank=0, tag="t", engine=engine)
+    assert [p.name for p in (tmp_path / "shards").rglob("*") if p.is_file()] == []
+    with pytest.raises(CorruptReadError):   # reported once, not forgotten: read again
+        engine.store.acquire((1, 2), M)
+    engine.close()
