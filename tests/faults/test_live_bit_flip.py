@@ -1,8 +1,9 @@
 """A bit flipped in a live disk-tier record file (issue 31, item 3).
 
 A disk-tier run (host cache of two records: most records are read from their files every step)
-is stopped with SIGSTOP between checkpoints; one bit of the master row of every expert file of
-layer 0 that no checkpoint links (link count 1) is flipped; SIGCONT. The next read of such a
+is stopped with SIGSTOP between checkpoints; one bit of the master row (read by the forward) or
+of the exp_avg row (read by the host optimizer's thread) of every expert file of layer 0 that
+no checkpoint links (link count 1) is flipped; SIGCONT. The next read of such a
 file fails its checksum: the run stops with one line naming the file and byte offset (exit 1),
 writes no checkpoint after the bad read, and `--resume` continues from the newest checkpoint
 with exactly the losses of the same run never touched. Before: the flipped weights were trained
@@ -51,14 +52,26 @@ def _stop_between_checkpoints(child, run_dir: Path, disk: Path) -> list[Path]:
     raise AssertionError(f"no moment between checkpoints found; log:\n{child.text()}")
 
 
+@pytest.fixture(scope="module")
+def alone(launcher, corpus, tmp_path_factory):
+    """The losses of the same run with nothing flipped."""
+    base = tmp_path_factory.mktemp("alone")
+    code, text = launcher.run(_run(corpus, base), base)
+    assert code == 0, text
+    return losses(base / "run")
+
+
+ROW_BYTES = 4 * 2 * 32 * 64     # the tiny model's expert: w1 and w2, fp32, 4 KiB aligned
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("row", [0, 1], ids=["master", "exp_avg"])
 def test_a_bit_flipped_in_a_live_record_file_stops_the_run_and_the_checkpoint_resumes(
-        launcher, corpus, tmp_path):
-    code, text = launcher.run(_run(corpus, tmp_path / "alone"), tmp_path)
-    assert code == 0, text
-    alone = losses(tmp_path / "alone" / "run")
-
+        launcher, corpus, alone, tmp_path, row):
+    """row 0: the master, read by the forward's upload; row 1: exp_avg, read by the host
+    optimizer's thread for the expert's step."""
+    offset = row * ROW_BYTES
     base = tmp_path / "flipped"
     run_dir, disk = base / "run", base / "disk"
     child = launcher.start(_run(corpus, base), tmp_path)
@@ -66,11 +79,11 @@ def test_a_bit_flipped_in_a_live_record_file_stops_the_run_and_the_checkpoint_re
     try:
         files = _stop_between_checkpoints(child, run_dir, disk)
         saved = list_checkpoints(run_dir / "checkpoints")
-        for path in files:                       # one bit of one master weight each
+        for path in files:                       # one bit of one number of the row each
             with open(path, "r+b") as f:
-                f.seek(1000)
+                f.seek(offset + 1000)
                 byte = f.read(1)[0]
-                f.seek(1000)
+                f.seek(offset + 1000)
                 f.write(bytes([byte ^ 0x10]))
     finally:
         os.kill(child.pid, signal.SIGCONT)
@@ -80,7 +93,8 @@ def test_a_bit_flipped_in_a_live_record_file_stops_the_run_and_the_checkpoint_re
     assert code == 1 and "Traceback" not in text, text
     assert text.count("does not match the checksum") == 1, text
     assert any(str(path) in last for path in files), text
-    assert "layer 0 expert" in last and "byte offset 0" in last and "--resume" in last, last
+    assert "layer 0 expert" in last and f"byte offset {offset:,}" in last, last
+    assert f"({('master', 'exp_avg')[row]} row)" in last and "--resume" in last, last
     assert list_checkpoints(run_dir / "checkpoints") == saved   # none after the bad read
     assert not list(run_dir.glob("checkpoints/*.corrupt"))
 
