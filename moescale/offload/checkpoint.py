@@ -284,9 +284,6 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
     if not allow_other_run:
         _check_origins(store, src, keys, infos, first_expert, tag)
     _verify(store, src, keys, infos, first_expert, body["chunk_bytes"], saved)
-    for key in keys:     # a blank store becomes the checkpoint's run
-        if store.origins.get(key) is None:
-            store.origins[key] = infos[key].get("origin")
     if store.disk is not None and _same_fs(src, store.config.directory) and \
             saved.name == store.format.name and body["chunk_bytes"] == store.disk.io.chunk_bytes:
         store.disk.flush(drop=True)
@@ -295,10 +292,13 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
             store.disk.adopt(key, _record_path(src, (key[0], first_expert + key[1])),
                              {int(p): c for p, c in info["sums"].items()}, info["grad"])
             _set_step(store, key, info["step"])
-        return
-    for key in keys:   # copy the verified files into the store (decoded: another format)
-        _copy_in(store, key, _record_path(src, (key[0], first_expert + key[1])), infos[key],
-                 saved)
+    else:
+        for key in keys:   # copy the verified files into the store (decoded: another format)
+            _copy_in(store, key, _record_path(src, (key[0], first_expert + key[1])),
+                     infos[key], saved)
+    for key in keys:     # a blank store becomes the checkpoint's run
+        if store.origins.get(key) is None:
+            store.origins[key] = infos[key].get("origin")
 
 
 def _check_origins(store, src, keys, infos, first_expert, tag) -> None:

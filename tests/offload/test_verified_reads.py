@@ -125,8 +125,10 @@ def test_a_store_filled_from_a_checkpoint_verifies_its_first_read(tmp_path):
                                     host_cache_bytes=2 * RECORD))
     store.add_layer(LAYOUT, 4, lambda e: None)     # blank: the checkpoint fills it
     try:
+        assert store.origins[(0, 3)] is None     # blank: no run of its own, no tag needed
         load_store(store, str(tmp_path / "ckpt"))
         assert store.disk.sums[(0, 3)] == first.disk.sums[(0, 3)]   # the manifest's
+        assert store.origins[(0, 3)] == first.origins[(0, 3)] is not None   # now that run
         assert torch.equal(master_of(store, 1), masters(1))
         store.drop_cache()
         flip(store.path((0, 3)), 4000)           # the adopted file (the checkpoint's link)
