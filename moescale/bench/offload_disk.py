@@ -14,6 +14,11 @@ got tokens; backward and step: master and moments of every expert read and writt
 padded to 4 KiB); the page-cache growth (/proc/meminfo `Cached`); the disk's busy time
 (/proc/diskstats); and the time the main thread waited for expert uploads.
 
+`--verify-ab`: the cost of verified reads (every disk-tier read checked against the sums of its
+write, on by default). Twice the timed steps on the same store, verification on and off in
+ABBA order (on, off, off, on, ...), so drift in the disk's rate falls on both alike; reported:
+the median step of each, their ratio, and the readers' seconds spent hashing.
+
 The floor: max(compute, bytes moved / bandwidth), the bandwidth that of the store's own I/O
 path (direct I/O, same chunks, threads and requests in flight) with a read stream and a write
 stream at once in the step's proportion (the device overlaps them: the sum of read time and
@@ -80,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-budget-experts", type=float, default=3, help="device budget in "
                    "experts (compute-precision copies)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    p.add_argument("--verify-ab", action="store_true", help="time each step with verified "
+                   "reads on and off (2 x --steps timed steps, ABBA order, the same store)")
     p.add_argument("--probe-gb", type=float, default=2.0, help="size of each bandwidth probe")
     p.add_argument("--dir", default=None, help="where the expert files go (default: a temp "
                    "directory under /var/tmp); each format's files are removed after its run "
@@ -185,9 +192,12 @@ def _child(args) -> dict:
     x = torch.randn(args.tokens, args.d_model, device=args.device)
     dev_io, busy = proc_stats.ProcessIO(), disk_probe.DiskBusy(args.dir)
     steps = []
-    for i in range(1 + args.steps):
+    io = store.disk.io
+    for i in range(1 + args.steps * (2 if args.verify_ab else 1)):
         if i == 1:   # the peak of the timed steps alone (not the probes' buffers)
             proc_stats.reset_peak_rss()
+        store.disk.verify_reads = not args.verify_ab or i == 0 or (i - 1) % 4 in (0, 3)
+        hashed0, hash_s0 = io.bytes_verified, io.verify_s
         read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.cache.wait_seconds
         optim0, optim_cpu0 = engine.optimizer.step_seconds, engine.optimizer.step_cpu_seconds
         cached0 = disk_probe.page_cache_bytes()
@@ -211,13 +221,15 @@ def _child(args) -> dict:
             optimizer_s=engine.optimizer.step_seconds - optim0,
             optimizer_cpu_s=engine.optimizer.step_cpu_seconds - optim_cpu0,
             min_read_bytes=master_row * sum(routed) + state_rows * experts,
-            min_write_bytes=state_rows * experts))
+            min_write_bytes=state_rows * experts, verify=store.disk.verify_reads,
+            bytes_verified=io.bytes_verified - hashed0, verify_s=io.verify_s - hash_s0))
         s = steps[-1]
         if i == 0:   # the warm-up wrote every record whole: now the probe reads real files
             cold = [store.path(k) for k in store.keys()]
             random.Random(0).shuffle(cold)
             probes.append(_probe(args, cold, state_rows, read_share))
-        print(f"  step {i}{' (warm-up)' if i == 0 else ''}: {elapsed:.1f} s, loss {loss:.4g}, read "
+        ab = f" (verified reads {'on' if s['verify'] else 'off'})" if args.verify_ab else ""
+        print(f"  step {i}{' (warm-up)' if i == 0 else ab}: {elapsed:.1f} s, loss {loss:.4g}, read "
               f"{s['bytes_read'] / GIB:.2f} GiB (device {dev_read / GIB:.2f}), written "
               f"{s['bytes_written'] / GIB:.2f} GiB (device {dev_written / GIB:.2f}), disk busy "
               f"{s['disk_busy_s'] or 0:.1f} s, upload wait {s['upload_wait_s']:.1f} s, CPU user "

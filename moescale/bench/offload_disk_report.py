@@ -1,5 +1,6 @@
 """`moescale bench offload-disk`'s summary of a child's measurements: per-step averages, the
-floor, bytes per expert parameter, the targets, the printed block of one format's run.
+floor, bytes per expert parameter, verified reads on / off (`--verify-ab`), the targets, the
+printed block of one format's run.
 
 Deliberately not here: running the steps and the probes (offload_disk.py).
 """
@@ -7,6 +8,8 @@ Deliberately not here: running the steps and the probes (offload_disk.py).
 from __future__ import annotations
 
 import statistics
+
+from moescale.bench.stats import paired_ratio
 
 GIB = 1 << 30
 
@@ -58,6 +61,20 @@ def summarise(args, res: dict) -> dict:
                store_mixed_bytes_per_s=mixed_bw, io_floor_s=io_floor,
                io_floor_additive_s=additive_floor, compute_estimate_s=compute,
                step_over_floor=step_s / max(compute, io_floor))
+    on = [s for s in timed if s.get("verify", True)]
+    off = [s for s in timed if not s.get("verify", True)]
+    if on and off:     # --verify-ab: the same store, interleaved
+        on_s, off_s = (statistics.median(s["seconds"] for s in part) for part in (on, off))
+        out["verify_ab"] = dict(
+            on_median_s=on_s, off_median_s=off_s, on_over_off=on_s / off_s, steps_each=len(on),
+            on_times_s=[s["seconds"] for s in on], off_times_s=[s["seconds"] for s in off],
+            hash_s_per_step=sum(s["verify_s"] for s in on) / len(on),
+            bytes_verified_per_step=sum(s["bytes_verified"] for s in on) / len(on))
+        if min(len(on), len(off)) >= 2:   # ABBA: the k-th on and off steps ran side by side
+            pairs = min(len(on), len(off))
+            out["verify_ab"]["paired"] = paired_ratio([s["seconds"] for s in on[:pairs]],
+                                                      [s["seconds"] for s in off[:pairs]]
+                                                      ).as_dict()
     dd_read, dd_write = _best(res["probes"], "dd_read"), _best(res["probes"], "dd_write")
     if dd_read:
         out.update(dd_read_bytes_per_s=dd_read, dd_write_bytes_per_s=dd_write,
@@ -83,6 +100,10 @@ def targets(res: dict, s: dict, ram: int) -> list[tuple[str, bool, float]]:
         targets.append((f"device bytes per expert parameter per step <= {ceiling}",
                         s["device_bytes_per_param_per_step"] <= ceiling,
                         s["device_bytes_per_param_per_step"]))
+    if "verify_ab" in s:   # the paired ratio where there are pairs, else the medians'
+        ab = s["verify_ab"]
+        cost = ab["paired"]["ratio"] if "paired" in ab else ab["on_over_off"]
+        targets.append(("verified reads move the step time <= 3%", cost <= 1.03, cost))
     if "store_over_dd_read" in s:
         targets.append(("store path >= 0.85x dd (read and write)",
                         min(s["store_over_dd_read"], s["store_over_dd_write"]) >= 0.85,
@@ -126,5 +147,16 @@ def print_run(res: dict, s: dict, ram: int, targets) -> None:
           f" s; step / floor = {s['step_over_floor']:.2f}; disk busy "
           f"{'n/a' if busy is None else f'{100 * busy:.0f}%'}, main thread waiting on uploads "
           f"{100 * s['upload_wait_fraction']:.0f}%")
+    ab = s.get("verify_ab")
+    if ab:
+        paired = ab.get("paired")
+        interval = "" if paired is None else (
+            f", paired {paired['ratio']:.3f}x [{paired['low']:.3f}, {paired['high']:.3f}] (95% "
+            f"CI, n={paired['n']})")
+        print(f"verified reads      on {ab['on_median_s']:.2f} s, off {ab['off_median_s']:.2f} s "
+              f"per step (medians of {ab['steps_each']} each, ABBA): on/off "
+              f"{ab['on_over_off']:.3f}{interval}; the readers hashed "
+              f"{ab['bytes_verified_per_step'] / GIB:.2f} GiB per step in "
+              f"{ab['hash_s_per_step']:.2f} s (their threads, beside the step)")
     for name, ok, _ in targets:
         print(f"{'PASS' if ok else 'FAIL'}: {name}")

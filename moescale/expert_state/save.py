@@ -36,7 +36,7 @@ from moescale.expert_state.index import (FORMAT, INDEX, TENSOR_FILE, digest, enc
                                          layout_of, ranges_of, shards_dir, tensor_name)
 from moescale.expert_state.tensorfile import TensorSpec, write_tensors
 from moescale.offload.checkpoint import link_disk_store
-from moescale.offload.direct_io import CHUNK_BYTES
+from moescale.offload.direct_io import CHUNK_BYTES, CorruptReadError
 from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_MASTER
 from moescale.offload.state_format import record_info
 
@@ -173,6 +173,8 @@ def save_expert_shards(model, directory: str, *, rank: int, tag: str, optimizer=
         fsync_dir(directory)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, CorruptReadError):   # a damaged store file, not a full disk
+            raise
         raise OSError(err.errno, f"could not write rank {rank}'s expert shard under {root!r} "
                       f"({err.strerror or err}); earlier checkpoints are intact (free disk "
                       "space or choose another directory, then save again)") from err

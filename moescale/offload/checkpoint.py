@@ -5,7 +5,8 @@ Layout under the checkpoint directory (format "moescale-store/2"):
 
     expert-store-{tag}/manifest.json                 layouts, expert counts, and per expert:
                                                      step count, whether its gradient row is
-                                                     kept, the xxh3-64 of every chunk of every row
+                                                     kept, the xxh3-64 of every chunk of every
+                                                     row, its origin (the run's identity)
     expert-store-{tag}/layer{l:03d}/expert{e:05d}.bin  the disk tier's record file format: rows
                                                      MASTER, EXP_AVG, EXP_AVG_SQ, GRAD, each
                                                      padded to align_up(4 P) bytes
@@ -24,8 +25,17 @@ Loading verifies before it changes anything: LATEST must name a store directory 
 path, no other run), the manifest its digest, every file of the experts to load its sums. Any
 mismatch raises `StoreCheckpointError` (a ValueError) naming the file and calling it corrupt,
 so the caller can fall back to an older checkpoint. A disk-tier store then adopts the verified
-files by hard link (no copy), other stores read them. An expert-parallel rank loads its slice
+files by hard link (no copy), other stores read them, and a disk-tier store checks its reads
+against the manifest's sums from the first one on. An expert-parallel rank loads its slice
 (`first_expert` of `total_experts` per layer) of a store written for all experts.
+
+Another run's checkpoint is not loaded silently: every expert's entry records the origin of the
+store that saved it (store.py: the xxh3-64 of the fp32 master it was built with, so another
+seed, model or `expert_init` differs), and a store built with origins refuses, with
+`OtherRunError` naming the experts and the two origins, a checkpoint whose origins differ, or
+one that records none (an older moescale's) unless `tag` names it; `allow_other_run=True` loads
+it anyway (fine-tuning from another run). A blank store (masters left unwritten for a loader)
+takes the checkpoint's origins.
 
 Checkpoints of the first format (`meta.json` and one file per layer, unverifiable) still load,
 with a warning.
@@ -47,7 +57,8 @@ import warnings
 import torch
 
 from moescale.atomic import atomic_write_text, publish_dir
-from moescale.offload.direct_io import CHUNK_BYTES, DirectIO, SlotPool, align_up, chunk_sums
+from moescale.offload.direct_io import (CHUNK_BYTES, CorruptReadError, DirectIO, SlotPool,
+                                       align_up, chunk_sums)
 from moescale.offload.records import (POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER, STATE,
                                       G, rows_of)
 from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat, format_of
@@ -60,6 +71,10 @@ _NAME = re.compile(r"expert-store-[A-Za-z0-9_.-]+")
 
 class StoreCheckpointError(ValueError):
     """An expert-store checkpoint that is missing, corrupt, or not this model's."""
+
+
+class OtherRunError(StoreCheckpointError):
+    """A complete checkpoint of another run (its experts started from other weights)."""
 
 
 def _record_path(root: str, key) -> str:
@@ -77,20 +92,23 @@ def save_store(store: ExpertStore, directory: str, tag: str) -> str:
         return _publish(directory, tag, store.layouts, store.num_experts,
                         lambda tmp: _link_disk_store(store, tmp), store.format)
     return save_records(directory, tag, store.layouts, store.num_experts,
-                        lambda layer, e: store.read_record((layer, e)))
+                        lambda layer, e: store.read_record((layer, e)),
+                        lambda layer, e: store.origins.get((layer, e)))
 
 
-def save_records(directory: str, tag: str, layouts, num_experts: list[int], read) -> str:
+def save_records(directory: str, tag: str, layouts, num_experts: list[int], read,
+                 origin_of=None) -> str:
     """save_store's format from any source: read(layer, e) -> (record [4, P] fp32 in store
     row order, step count), called in file order (expert-parallel runs write their gathered
-    shards with it)."""
+    shards with it); origin_of(layer, e): the expert's origin (None: not recorded)."""
     def write(tmp: str) -> dict:
         entries = {}
         for layer, num in enumerate(num_experts):
             for e in range(num):
                 data_4P, step = read(layer, e)
                 entries[f"{layer},{e}"] = dict(step=float(step), grad=True, sums=_write_record(
-                    _record_path(tmp, (layer, e)), data_4P))
+                    _record_path(tmp, (layer, e)), data_4P),
+                    origin=origin_of(layer, e) if origin_of else None)
         return entries
     return _publish(directory, tag, layouts, num_experts, write)
 
@@ -114,7 +132,7 @@ def _write_record(path: str, data_4P: torch.Tensor) -> dict:
 
 def _link_disk_store(store: ExpertStore, tmp: str) -> dict:
     """Hard-link a disk-tier store's files into tmp (see link_disk_store)."""
-    return {f"{key[0]},{key[1]}": info for key, info in
+    return {f"{key[0]},{key[1]}": dict(info, origin=store.origins.get(key)) for key, info in
             link_disk_store(store, lambda key: _record_path(tmp, key)).items()}
 
 
@@ -190,6 +208,8 @@ def _publish(directory: str, tag: str, layouts, num_experts, write,
         atomic_write_text(os.path.join(directory, LATEST), name)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, CorruptReadError):   # a damaged store file, not a full disk
+            raise
         raise OSError(err.errno, f"could not write the expert-store checkpoint under "
                       f"{directory!r} ({err.strerror or err}); the previous checkpoint is intact "
                       "(free disk space or choose another directory, then save again)") from err
@@ -227,9 +247,11 @@ def _latest(directory: str, tag: str | None = None) -> str:
 
 
 def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
-               total_experts: int | None = None, tag: str | None = None) -> None:
+               total_experts: int | None = None, tag: str | None = None,
+               allow_other_run: bool = False) -> None:
     """Fill `store` (same layers and experts) from the checkpoint LATEST names, after
-    verifying it (and, given `tag`, that it is the store saved with that tag). Expert-parallel
+    verifying it (and, given `tag`, that it is the store saved with that tag) and that it is
+    this run's (the origins; `allow_other_run`: load another run's anyway). Expert-parallel
     shard: the checkpoint holds `total_experts` per layer and the store the
     `store.num_experts` starting at `first_expert` (global ids)."""
     src = _latest(directory, tag)
@@ -259,19 +281,46 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
     except ValueError as err:
         raise StoreCheckpointError(f"the manifest in {src!r} names no record format ({err}); "
                                    "the checkpoint is corrupt") from None
+    if not allow_other_run:
+        _check_origins(store, src, keys, infos, first_expert, tag)
     _verify(store, src, keys, infos, first_expert, body["chunk_bytes"], saved)
     if store.disk is not None and _same_fs(src, store.config.directory) and \
-            saved.name == store.format.name:
+            saved.name == store.format.name and body["chunk_bytes"] == store.disk.io.chunk_bytes:
         store.disk.flush(drop=True)
         for key in keys:
             info = infos[key]
             store.disk.adopt(key, _record_path(src, (key[0], first_expert + key[1])),
                              {int(p): c for p, c in info["sums"].items()}, info["grad"])
             _set_step(store, key, info["step"])
-        return
-    for key in keys:   # copy the verified files into the store (decoded: another format)
-        _copy_in(store, key, _record_path(src, (key[0], first_expert + key[1])), infos[key],
-                 saved)
+    else:
+        for key in keys:   # copy the verified files into the store (decoded: another format)
+            _copy_in(store, key, _record_path(src, (key[0], first_expert + key[1])),
+                     infos[key], saved)
+    for key in keys:     # a blank store becomes the checkpoint's run
+        if store.origins.get(key) is None:
+            store.origins[key] = infos[key].get("origin")
+
+
+def _check_origins(store, src, keys, infos, first_expert, tag) -> None:
+    """Refuse another run's checkpoint (see the module docstring): an expert whose recorded
+    origin differs from the store's, or none recorded and no `tag` naming the checkpoint."""
+    mine = {k: store.origins.get(k) for k in keys if store.origins.get(k) is not None}
+    theirs = {k: infos[k].get("origin") for k in mine}
+    other = [k for k in mine if theirs[k] is not None and theirs[k] != mine[k]]
+    override = "or pass allow_other_run=True to load it anyway (e.g. to fine-tune from it)"
+    if other:
+        layer, e = other[0]
+        raise OtherRunError(
+            f"the checkpoint in {src!r} belongs to another run: {len(other)} of {len(keys)} "
+            f"experts started from other weights than this store's (layer {layer} expert "
+            f"{first_expert + e}: origin {theirs[other[0]]} in the checkpoint, {mine[other[0]]} "
+            "here: another seed, model or expert_init); build the store as that run did, "
+            f"{override}")
+    if tag is None and any(theirs[k] is None for k in mine):
+        raise OtherRunError(
+            f"the checkpoint in {src!r} records no origin of its experts (an older moescale's), "
+            "so it cannot be told from another run's: name it with tag=<the tag it was saved "
+            f"with>, {override}")
 
 
 def _read_manifest(src: str) -> dict:

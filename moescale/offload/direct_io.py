@@ -13,6 +13,9 @@ bypass the page cache, split into chunks and served by thread pools.
   what was moved, and `direct` is False (the store says so once). Every write returns the
   xxh3-64 checksum of each chunk it wrote, in offset order (the store's checkpoint manifest
   keeps them; xxh3 runs at ~14 GB/s here, crc32 at 2.5 GB/s would cost a core at disk speed).
+  A read given those sums checks each chunk in the worker that read it, as it arrives (xxhash
+  releases the GIL while it hashes, measured: docs/offloading.md), and fails with
+  `CorruptReadError` naming the file and the chunk's byte offset on a mismatch.
 
 Offsets, lengths and buffer addresses are multiples of `ALIGN` (4096: the largest logical block
 size of common devices), as O_DIRECT requires.
@@ -26,6 +29,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -33,6 +37,11 @@ import xxhash
 
 ALIGN = 4096
 CHUNK_BYTES = 8 << 20
+
+
+class CorruptReadError(OSError):
+    """Bytes read from a file that do not match the xxh3-64 sum recorded when they were written
+    (the file was changed under its writer: a failing disk, or another program)."""
 
 
 def align_up(nbytes: int, align: int = ALIGN) -> int:
@@ -128,6 +137,8 @@ class DirectIO:
         self._buffered: set[int] = set()   # fds of such files
         self.bytes_read = 0
         self.bytes_written = 0
+        self.bytes_verified = 0    # bytes read and checked against their sums
+        self.verify_s = 0.0        # seconds the readers spent hashing them (summed)
         self._count = threading.Lock()
 
     # ----------------------------------------------------------------- files
@@ -158,9 +169,22 @@ class DirectIO:
         for start in range(0, nbytes, self.chunk_bytes):
             yield start, min(self.chunk_bytes, nbytes - start)
 
-    def read(self, path: str, offset: int, view: torch.Tensor) -> Future:
-        """Fill the uint8 tensor `view` (aligned) from path at offset; Future of None."""
-        return self._submit(self._readers, self._read_piece, path, offset, view, False, False)
+    def read(self, path: str, offset: int, view: torch.Tensor, sums: list[int] | None = None,
+             what: str = "a record") -> Future:
+        """Fill the uint8 tensor `view` (aligned) from path at offset; Future of None. `sums`:
+        the xxh3-64 of each `chunk_bytes` piece of the view, in order (what `write` returned
+        for the same bytes at the same offset): each piece is checked by the worker that read
+        it, and a mismatch fails the Future with CorruptReadError naming `what`, the file and
+        the piece's byte offset."""
+        pieces = -(-view.numel() // self.chunk_bytes)
+        if sums is not None and len(sums) != pieces:
+            raise ValueError(f"{len(sums)} checksums for the {pieces} chunks of a read of "
+                             f"{view.numel()} bytes from {path!r}: they were recorded with "
+                             "another chunk size")
+
+        def piece(fd, path, offset, view, i):
+            self._read_piece(fd, path, offset, view, None if sums is None else sums[i], what)
+        return self._submit(self._readers, piece, path, offset, view, False, False)
 
     def write(self, path: str, offset: int, view: torch.Tensor, create: bool = False
               ) -> Future:
@@ -178,13 +202,14 @@ class DirectIO:
             failed: Future = Future()
             failed.set_exception(OSError(err.errno, f"opening {path!r} failed: {err.strerror}"))
             return failed
-        futures = [pool.submit(piece, fd, path, offset + start, view[start:start + n])
-                   for start, n in self._pieces(offset, view.numel())]
+        futures = [pool.submit(piece, fd, path, offset + start, view[start:start + n], i)
+                   for i, (start, n) in enumerate(self._pieces(offset, view.numel()))]
         out = gather(futures)
         out.add_done_callback(lambda _: self.close_fd(fd))
         return out
 
-    def _read_piece(self, fd: int, path: str, offset: int, view: torch.Tensor) -> None:
+    def _read_piece(self, fd: int, path: str, offset: int, view: torch.Tensor,
+                    expect: int | None, what: str) -> None:
         buf = memoryview(view.numpy())
         got = 0
         try:
@@ -199,10 +224,22 @@ class DirectIO:
                 os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
         except OSError as err:
             raise OSError(err.errno, f"reading {path!r} failed: {err.strerror}") from err
+        if expect is not None:
+            start = time.perf_counter()
+            digest = xxhash.xxh3_64_intdigest(buf)     # the GIL is released while it hashes
+            with self._count:
+                self.verify_s += time.perf_counter() - start
+                self.bytes_verified += got
+            if digest != expect:
+                raise CorruptReadError(
+                    errno.EIO, f"{what}: {path!r} does not match the checksum recorded when it "
+                    f"was written (the {got:,}-byte chunk at byte offset {offset:,}): the file "
+                    "was changed under the store (a failing disk, or another program writing "
+                    "in the disk tier's directory)")
         with self._count:
             self.bytes_read += got
 
-    def _write_piece(self, fd: int, path: str, offset: int, view: torch.Tensor) -> int:
+    def _write_piece(self, fd: int, path: str, offset: int, view: torch.Tensor, _: int) -> int:
         buf = memoryview(view.numpy())
         digest = xxhash.xxh3_64_intdigest(buf)
         done = 0

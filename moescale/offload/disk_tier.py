@@ -18,7 +18,15 @@ Files are versioned (`expert00001.g{n}.bin`): a checkpoint hard-links the curren
 (`snapshot`), after which the next write of an expert goes to a new file (copy on write, the
 rows the slot lacks read from the linked file first), so a checkpoint never copies the state
 and never sees a later step. Every write records the xxh3-64 checksum of each chunk of each
-row it wrote; `snapshot` hands them to the checkpoint manifest.
+row it wrote; `snapshot` hands them to the checkpoint manifest, `adopt` takes them back from one.
+
+Verified reads (`verify_reads`, on by default): every read of a record file, the rows an
+access lacks and the rows a copy on write takes from the linked file, goes row by row (a row's
+sums start at its own offset, so a partial read such as the forward's master row covers whole
+chunks) and each chunk is checked against the sums the store recorded, in the I/O worker that
+read it. A mismatch fails the access with `CorruptReadError` naming the layer, expert, row,
+file and byte offset; the bytes are never handed out, and a flush (so a checkpoint) raises it
+too, so nothing read from a damaged file is trained on or saved.
 
 Deliberately not here: the host tier and the record API (store.py), direct I/O (direct_io.py),
 the order of coming accesses (schedule.py), the checkpoint format (checkpoint.py).
@@ -38,11 +46,12 @@ import torch
 
 from moescale.offload.direct_io import DirectIO, SlotPool, align_up, gather
 from moescale.offload.record_files import write_layer_files
-from moescale.offload.records import POS_GRAD, STATE, G, rows_of, runs_of
+from moescale.offload.records import POS_GRAD, STATE, G, rows_of
 from moescale.offload.schedule import AccessSchedule
 from moescale.offload.state_format import RecordGeometry, StateFormat
 
 Key = tuple[int, int]
+ROW_NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")    # by row position (records.py)
 
 
 @dataclass
@@ -62,8 +71,10 @@ class DiskTier:
 
     def __init__(self, directory: str, host_cache_bytes: int, io_threads: int = 4,
                  pin_memory: bool = False, max_reads: int = 2, max_writes: int = 2,
-                 direct_io: bool = True, state: StateFormat = StateFormat()) -> None:
+                 direct_io: bool = True, state: StateFormat = StateFormat(),
+                 verify_reads: bool = True) -> None:
         self.directory, self.host_cache_bytes = directory, host_cache_bytes
+        self.verify_reads = verify_reads          # check every read against self.sums
         self.state = state
         self.geometries: list[RecordGeometry] = []    # row offsets per layer
         self.io = DirectIO(io_threads, direct=direct_io)
@@ -83,6 +94,7 @@ class DiskTier:
         self._waiting = 0                         # foreground accesses waiting for a slot
         self.peak_cache_bytes = 0
         self.grad_rows_moved = 0                  # gradient rows read or written (spills)
+        self._closed = False                      # close() began: no new I/O
 
     # ----------------------------------------------------------------- geometry
     def stride(self, layer: int) -> int:
@@ -221,13 +233,30 @@ class DiskTier:
         if not missing:
             return False
         self.grad_rows_moved += bool(missing & G)
-        futures = [self.io.read(self.path(entry.key), self.offset(entry.key, first),
-                                self._span(entry, first, count))
-                   for first, count in runs_of(missing)]
+        futures = self._read_rows(entry, self.path(entry.key), self._expected(entry.key, missing))
         self._reads += 1
         entry.busy = futures[0] if len(futures) == 1 else gather(futures)
         entry.busy.add_done_callback(lambda f, e=entry, m=missing: self._read_done(e, m, f))
         return True
+
+    def _expected(self, key: Key, rows: int) -> dict[int, list[int] | None]:
+        """Per row position of `rows`, the chunk sums its read must match (lock held; None
+        each when reads are not verified)."""
+        if not self.verify_reads:
+            return dict.fromkeys(rows_of(rows))
+        known = self.sums[key]
+        assert all(p in known for p in rows_of(rows)), \
+            f"no checksum recorded for rows {rows:#x} of {key} (has {sorted(known)})"
+        return {p: known[p] for p in rows_of(rows)}
+
+    def _read_rows(self, entry: _Entry, path: str, sums: dict[int, list[int] | None]
+                   ) -> list[Future]:
+        """Read each row of `sums` from path into the entry's slot, its chunks checked against
+        the sums (None: unchecked) by the workers."""
+        layer, e = entry.key
+        return [self.io.read(path, self.offset(entry.key, p), self._span(entry, p, 1), expect,
+                             f"layer {layer} expert {e} ({ROW_NAMES[p]} row)")
+                for p, expect in sums.items()]
 
     def _read_done(self, entry: _Entry, rows: int, future: Future) -> None:
         with self._lock:
@@ -280,7 +309,7 @@ class DiskTier:
 
     def _pump(self) -> None:
         """Issue reads for the next accesses and write-behind of finished entries (lock held)."""
-        if self.pool is None:
+        if self.pool is None or self._closed:
             return
         for entry in list(self._cache.values()):
             if self._writes >= self.max_writes:
@@ -315,8 +344,8 @@ class DiskTier:
         old_path = self.path(key)
         new_gen = self.gen[key] + 1 if cow else self.gen[key]
         try:
-            busy = self._writeback.submit(self._write_rows, entry, rows, need, old_path,
-                                          self.path(key, new_gen), cow)
+            busy = self._writeback.submit(self._write_rows, entry, rows, self._expected(key, need),
+                                          old_path, self.path(key, new_gen), cow)
         except RuntimeError:   # shut down (interpreter exit): the entry stays dirty
             return
         self._writes += 1
@@ -325,13 +354,13 @@ class DiskTier:
         entry.busy = busy
         entry.busy.add_done_callback(lambda f: self._write_done(entry, rows, new_gen, cow, f))
 
-    def _write_rows(self, entry: _Entry, rows: int, need: int, old_path: str, path: str,
-                    cow: bool) -> dict[int, list[int]]:
+    def _write_rows(self, entry: _Entry, rows: int, need: dict[int, list[int] | None],
+                    old_path: str, path: str, cow: bool) -> dict[int, list[int]]:
+        """Write `rows` of the entry to path (cow: a new file), the rows of `need` first read
+        from old_path (verified: a damaged row is never copied into a file with fresh sums)."""
         key = entry.key
-        if need:
-            for first, count in runs_of(need):
-                self.io.read(old_path, self.offset(key, first),
-                             self._span(entry, first, count)).result()
+        for read in self._read_rows(entry, old_path, need):
+            read.result()
         try:
             if cow:
                 self.io.close_fd(self.io.open(path, create=True))
@@ -433,9 +462,15 @@ class DiskTier:
             (self.grad_on_disk.add if grad else self.grad_on_disk.discard)(key)
 
     def close(self) -> None:
+        """Write back and stop; after a failed flush (a damaged file, a full disk) the reads
+        and writes still in flight finish first and nothing new starts."""
         try:
             self.flush()
         finally:
+            with self._lock:
+                self._closed = True
+                while any(e.busy is not None for e in self._cache.values()):
+                    self._changed.wait()
             self._writeback.shutdown(wait=True)
             self.io.close()
             if self.pool is not None:

@@ -67,7 +67,7 @@ class OffloadEngine:
             tier=config.store_tier, directory=config.directory,
             host_cache_bytes=config.host_cache_bytes, pin_memory=cuda,
             shared_memory=config.shared_memory, io_threads=config.io_threads,
-            state=config.state))
+            state=config.state, verify_reads=config.verify_reads))
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
                                        config.step_mode,
                                        # eager on a CPU device: the steps run beside backward's
@@ -304,15 +304,17 @@ class OffloadEngine:
         return save_store(self.store, directory, tag)
 
     def load_checkpoint(self, directory: str, first_expert: int = 0,
-                        total_experts: int | None = None, tag: str | None = None) -> None:
+                        total_experts: int | None = None, tag: str | None = None,
+                        allow_other_run: bool = False) -> None:
         """Restore the expert store from the last complete checkpoint under directory (an
         expert-parallel rank: its experts from `first_expert` of `total_experts` per layer),
-        verified first: a corrupt one raises StoreCheckpointError and changes nothing. `tag`:
-        the store must be the one saved with that tag."""
+        verified first: a corrupt one raises StoreCheckpointError and changes nothing, another
+        run's OtherRunError unless `allow_other_run` (checkpoint.py). `tag`: the store must be
+        the one saved with that tag."""
         self.synchronize()
         self.cache.clear()
         self._awaiting_step = False
-        load_store(self.store, directory, first_expert, total_experts, tag)
+        load_store(self.store, directory, first_expert, total_experts, tag, allow_other_run)
 
     def close(self) -> None:
         self.moved.close()

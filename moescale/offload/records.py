@@ -23,13 +23,3 @@ ALL = STATE | G
 def rows_of(mask: int) -> list[int]:
     return [p for p in range(4) if mask >> p & 1]
 
-
-def runs_of(mask: int) -> list[tuple[int, int]]:
-    """Contiguous runs (first position, count) of the rows in mask."""
-    out: list[tuple[int, int]] = []
-    for p in rows_of(mask):
-        if out and out[-1][0] + out[-1][1] == p:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((p, 1))
-    return out

@@ -5,7 +5,9 @@ flattened into P numbers), the gradient accumulator, and AdamW's two moments, in
 compact format (state_format.py: a bf16 master, bf16 or int8 moments; a compact host store
 keeps an expert's gradient only from its backward to its step); plus its
 optimizer step count (`step_t`, a scalar tensor as torch's AdamW wants) and a `version` bumped
-by every optimizer step (device copies of an older version are stale).
+by every optimizer step (device copies of an older version are stale); and its `origin`, the
+xxh3-64 of the fp32 master it was built with (the run's identity: a checkpoint records it, so
+that another run's checkpoint is not loaded silently; None for a blank or attached store).
 
 Tiers:
 - `host`: one `[E, 4, P]` tensor per layer in RAM, pinned under CUDA, optionally in shared
@@ -14,12 +16,15 @@ Tiers:
 - `disk`: one file per expert, moved by direct I/O through a fixed pool of host slots whose
   size (`host_cache_bytes`) is the tier's real host memory; reads ahead and writes behind from
   the schedule the layers announce (`set_upcoming`), Belady eviction; only the rows an access
-  needs are read and a zero gradient accumulator is never persisted (disk_tier.py).
+  needs are read and a zero gradient accumulator is never persisted (disk_tier.py); every
+  read is checked against the chunk sums recorded when the row was written (`verify_reads`).
 
 Errors: a missing, non-directory or unwritable disk directory raises ValueError at
 construction; too little free space for the files raises OSError(ENOSPC) before anything is
 written (`reserve_disk` checks every layer at once); a write that fails later (disk full)
-raises OSError naming the file.
+raises OSError naming the file; a read whose bytes do not match their recorded sums raises
+`CorruptReadError` (an OSError) naming the layer, expert, file and byte offset, in the access
+that needed them.
 
 `thread_read_wait_s()`: the seconds the calling thread has blocked in disk-tier acquires (a
 training step's own record reads, e.g. its gradient-norm pass; counted per thread, so the copy
@@ -42,6 +47,7 @@ import warnings
 from typing import Callable, Iterable, Sequence
 
 import torch
+import xxhash
 
 from moescale.dir_lock import claim_directory
 from moescale.offload import records
@@ -80,6 +86,8 @@ class ExpertStore:
         self._spare_grads: list[torch.Tensor] = []  # dropped ones, reused (SPARE_GRADS at most)
         self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
         self._dir_lock = None   # the disk tier's directory, owned (moescale/dir_lock.py)
+        self.origins: dict[Key, str | None] = {}   # run identity: xxh3-64 of the initial
+                                                   # fp32 master (None: blank or attached)
 
     # ----------------------------------------------------------------- construction
     def reserve_disk(self, total_bytes: int) -> None:
@@ -104,6 +112,8 @@ class ExpertStore:
             if master_P.numel() != layout.numel:
                 raise ValueError(f"init({e}) has {master_P.numel()} numbers; the layout wants "
                                  f"{layout.numel}")
+            self.origins[(layer, e)] = xxhash.xxh3_64_hexdigest(
+                memoryview(master_P.cpu().contiguous().numpy()))
             return master_P
 
         steps_E = torch.zeros(num_experts, dtype=torch.float32)
@@ -143,7 +153,7 @@ class ExpertStore:
             cache = self.config.host_cache_bytes
             self.disk = DiskTier(self.config.directory, cache or 0, self.config.io_threads,
                                  self.config.pin_memory, direct_io=self.config.direct_io,
-                                 state=self.format)
+                                 state=self.format, verify_reads=self.config.verify_reads)
         geo = RecordGeometry(self.format, layout.numel)
         record = geo.total
         cache = self.disk.host_cache_bytes
@@ -207,7 +217,8 @@ class ExpertStore:
             raise ValueError(f"attach_disk needs tier='disk', not {config.tier!r}")
         store = cls(config)
         store.disk = DiskTier(config.directory, config.host_cache_bytes or 0, config.io_threads,
-                              config.pin_memory, direct_io=config.direct_io, state=config.state)
+                              config.pin_memory, direct_io=config.direct_io, state=config.state,
+                              verify_reads=config.verify_reads)
         for layer, layout in enumerate(layouts):
             num = sum(1 for key in sums if key[0] == layer)
             store.disk.register_layer(layout.numel)
@@ -232,6 +243,7 @@ class ExpertStore:
         for e in range(steps_E.numel()):
             self._steps[(layer, e)] = steps_E[e]  # a 0-dim view: AdamW increments it in place
             self.versions[(layer, e)] = 0
+            self.origins.setdefault((layer, e), None)
 
     def keys(self) -> Iterable[Key]:
         for layer, n in enumerate(self.num_experts):
@@ -436,7 +448,10 @@ class ExpertStore:
 
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
-        if self._dir_lock is not None:
-            self._dir_lock.release()
+        try:
+            if self.disk is not None:
+                self.disk.close()
+        finally:     # a failed last write-back still gives the directory back
+            if self._dir_lock is not None:
+                self._dir_lock.release()
+                self._dir_lock = None

@@ -64,6 +64,7 @@ class StoreConfig:
     shared_memory: bool = False
     io_threads: int = 4
     direct_io: bool = True    # False: buffered I/O + posix_fadvise(DONTNEED) (as on tmpfs)
+    verify_reads: bool = True   # disk tier: check every read against the sums of its write
     state: StateFormat = StateFormat()   # master and moment formats of the records
 
     def __post_init__(self) -> None:

@@ -17,7 +17,8 @@ Exit codes: 0 done; 2 a user error (one line naming the value; also an OS error 
 and a run directory or disk-tier directory held by a live run); 3 training diverged
 (`train.max_skips` steps in a row had a non-finite loss or gradient, or every step was skipped;
 every checkpoint is finite, the line names the one to continue from); 1 the run directory's
-disk went full or read-only mid-run (one line; what was written before is intact); 130 Ctrl-C
+disk went full or read-only mid-run, or a disk-tier read did not match the checksum of its write
+(one line; what was written before is intact); 130 Ctrl-C
 and 143 SIGTERM (a checkpoint is saved when a step was running; during set-up SIGTERM unwinds
 every cleanup first).
 
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moescale.offload.direct_io import CorruptReadError
 from moescale.train.config import help_text, load_config, saved_tree
 
 USAGE = """usage: moescale train [--config FILE.toml] [--resume RUN_DIR] [--section.option VALUE ...]
@@ -172,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"moescale train: {err}", file=sys.stderr)
         return 3
+    except CorruptReadError as err:     # a disk-tier file changed under the run
+        print(f"moescale train: error: {err.strerror}; nothing read from it was trained on or "
+              f"saved: continue from the newest checkpoint with --resume {run_dir}",
+              file=sys.stderr)
+        return 1
     except OSError as err:          # disk full or read-only mid-run: one line, data intact
         print(f"moescale train: error: {_os_error_text(err)}; what the run wrote before "
               f"is intact: free disk space or fix permissions, then continue with --resume "

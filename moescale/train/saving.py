@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from moescale.offload.checkpoint import StoreCheckpointError
+from moescale.offload.direct_io import CorruptReadError
 from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
                                        nonfinite, save_checkpoint, verified_checkpoints)
 from moescale.train.config import to_dict
@@ -111,6 +112,8 @@ def save(trainer) -> Path:
         except OSError as err:
             failed = err
     if trainer.ranks.any(failed is not None) or shards_failed:
+        if isinstance(failed, CorruptReadError):    # a damaged store file: said as it is
+            raise failed
         reason = failed.strerror or str(failed) if failed else "another rank failed"
         raise OSError(getattr(failed, "errno", None), f"could not write the checkpoint of "
                       f"step {trainer.step} in {str(trainer.ckpt_dir)!r} ({reason}); the "

@@ -94,3 +94,24 @@ def test_offload_disk_bench_on_a_small_model_runs_formats_and_leaves_dir_empty(t
         assert all(s["loss"] == s["loss"] for s in run["result"]["steps"])   # finite, recorded
     assert list(where.iterdir()) == []
     assert offload_disk.main([*TINY, "--formats", "fp32+int4", "--out", str(out)]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_offload_disk_bench_times_verified_reads_on_and_off_on_one_store(tmp_path, capsys):
+    """--verify-ab: twice the timed steps, verified reads on, off, off, on (the same store);
+    the on steps hash what they read, the off steps nothing; medians and their ratio."""
+    from moescale.bench import offload_disk
+    out = tmp_path / "disk.json"
+    argv = [*TINY, "--steps", "2", "--probe-gb", "0.01", "--host-cache-gb", "0.00005",
+            "--formats", "fp32+fp32", "--verify-ab", "--out", str(out)]
+    assert offload_disk.main(argv) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    timed = [s for s in run["result"]["steps"] if not s["warmup"]]
+    assert [s["verify"] for s in timed] == [True, False, False, True]
+    assert all(s["bytes_verified"] == s["bytes_read"] > 0 for s in timed if s["verify"])
+    assert all(s["bytes_verified"] == 0 and s["bytes_read"] > 0
+               for s in timed if not s["verify"])
+    ab = run["verify_ab"]
+    assert ab["steps_each"] == 2 and ab["on_over_off"] == ab["on_median_s"] / ab["off_median_s"]
+    assert "verified reads      on" in capsys.readouterr().out
