@@ -34,6 +34,7 @@ trainer's).
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
@@ -74,7 +75,13 @@ class OffloadEngine:
                                        # compute on the same cores, so on a team of their own;
                                        # deferred ones run while the compute waits: all cores
                                        worker_threads=None if cuda or
-                                       config.step_mode == "deferred" else 1)
+                                       config.step_mode == "deferred" else 1,
+                                       # the disk tier's eager steps on a CPU device: two
+                                       # workers, so that both cores step experts while the
+                                       # compute waits for records
+                                       workers=2 if not cuda and config.step_mode == "eager"
+                                       and config.store_tier == "disk"
+                                       and (os.cpu_count() or 1) >= 2 else 1)
         self.device = None
         self.cache: DeviceCache | None = None
         self.layers: list = []  # the offloaded expert containers, by store layer

@@ -79,17 +79,21 @@ class HostOptimizer:
     """Accumulates expert gradients and steps experts with AdamW on a worker thread."""
 
     def __init__(self, store: ExpertStore, config: AdamWConfig, mode: str = "eager",
-                 worker_threads: int | None = None) -> None:
-        """worker_threads: the worker's own OpenMP team (omp_team.py; 1 where compute runs
-        on the same cores: a CPU device); None: torch's process-wide setting."""
+                 worker_threads: int | None = None, workers: int = 1) -> None:
+        """worker_threads: each worker's own OpenMP team (omp_team.py; 1 where compute runs
+        on the same cores: a CPU device); None: torch's process-wide setting. workers: worker
+        threads; an expert's tasks all run on one of them (`_worker_of`), in order."""
         if mode not in STEP_MODES:
             raise ValueError(f"step_mode={mode!r} is unknown; use one of {', '.join(STEP_MODES)}")
+        if workers < 1:
+            raise ValueError(f"workers={workers!r} must be >= 1")
         self.store, self.config, self.mode = store, config, mode
         self.worker_threads = worker_threads
-        self._worker = ThreadPoolExecutor(
-            1, thread_name_prefix="moescale-optim",
+        self._workers = [ThreadPoolExecutor(
+            1, thread_name_prefix=f"moescale-optim{i}",
             initializer=None if worker_threads is None else limit_this_thread,
             initargs=() if worker_threads is None else (worker_threads,))
+            for i in range(workers)]
         self._lock = threading.Lock()
         self._last_task: dict[Key, Future] = {}
         self._step_fence: dict[Key, Future] = {}
@@ -98,7 +102,7 @@ class HostOptimizer:
         self.step_seconds = 0.0         # wall time of the worker's steps (waits included)
         self.step_cpu_seconds = 0.0     # the worker's CPU time in them (its own team's)
         self.skipped_steps = 0     # expert steps refused for a non-finite gradient
-        self._codec: StateCodec | None = None   # compact state's work buffers (the worker's)
+        self._codecs = threading.local()   # compact state's work buffers, one set per worker
 
     # ----------------------------------------------------------------- hyper-parameters
     def follow(self, dense_optimizer: torch.optim.Optimizer | None) -> None:
@@ -115,9 +119,13 @@ class HostOptimizer:
         return hp
 
     # ----------------------------------------------------------------- tasks
+    def _worker_of(self, key: Key) -> int:
+        """The worker that runs every task of this expert (neighbouring experts alternate)."""
+        return (31 * key[0] + key[1]) % len(self._workers)
+
     def _submit(self, key: Key, fn: Callable, *args, is_step: bool = False) -> Future:
         with self._lock:
-            future = self._worker.submit(fn, *args)
+            future = self._workers[self._worker_of(key)].submit(fn, *args)
             self._last_task[key] = future
             if is_step:
                 self._step_fence[key] = future
@@ -168,7 +176,8 @@ class HostOptimizer:
         norm = float(torch.linalg.vector_norm(grad_P))
         if math.isfinite(norm) and norm < OVERFLOW_NORM:
             return True
-        self.skipped_steps += 1
+        with self._lock:
+            self.skipped_steps += 1
         return False
 
     def _step(self, keys: Sequence[Key], hp: dict, grad_coef: float | None) -> None:
@@ -192,8 +201,9 @@ class HostOptimizer:
         finally:
             for k in keys:
                 self.store.release(k, dirty=True, rows=STATE, grad_zero=True)
-        self.step_seconds += time.perf_counter() - start
-        self.step_cpu_seconds += time.thread_time() - cpu_start
+        with self._lock:
+            self.step_seconds += time.perf_counter() - start
+            self.step_cpu_seconds += time.thread_time() - cpu_start
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, steps, hp: dict) -> None:
         impl = self.config.impl
@@ -207,9 +217,9 @@ class HostOptimizer:
         step, encode (a bf16 master by stochastic rounding keyed by (layer, expert, step)).
         AdamW is elementwise, so each chunk's step is the whole step's on those numbers; every
         chunk starts from the expert's step count, which then advances once."""
-        codec = self._codec
+        codec = getattr(self._codecs, "codec", None)
         if codec is None:
-            codec = self._codec = StateCodec(self.store.format)
+            codec = self._codecs.codec = StateCodec(self.store.format)
         numel = self.store.layouts[rec.key[0]].numel
         layer, e = rec.key      # keyed by the global expert: any rank count rounds alike
         where = (layer, self.store.first_expert[layer] + e, int(rec.step_t) + 1)
@@ -252,17 +262,20 @@ class HostOptimizer:
         if self.store.config.tier == "disk":
             group = 1  # never pin more records than the host cache holds
             self.store.set_upcoming([(k, ALL) for k in pending], keep=self.pending)
-        for i in range(0, len(pending), group):
-            chunk = pending[i:i + group]
-            future = self._submit(chunk[0], self._step, chunk, hp, grad_coef, is_step=True)
-            with self._lock:
-                for k in chunk:
-                    self._step_fence[k] = future
-                    self._last_task[k] = future
+        for w in range(len(self._workers)):    # a group's experts share their worker
+            mine = [k for k in pending if self._worker_of(k) == w]
+            for i in range(0, len(mine), group):
+                chunk = mine[i:i + group]
+                future = self._submit(chunk[0], self._step, chunk, hp, grad_coef, is_step=True)
+                with self._lock:
+                    for k in chunk:
+                        self._step_fence[k] = future
+                        self._last_task[k] = future
         with self._lock:
             self._stepped.clear()
-        # after every step queued so far (one worker: in order), the spare gradients go
-        self._worker.submit(self.store.drop_spare_grads)
+        # after every step each worker has queued, the spare gradients go
+        for worker in self._workers:
+            worker.submit(self.store.drop_spare_grads)
 
     def end_iteration_unstepped(self) -> None:
         """End an iteration without stepping the experts not stepped yet (the caller has
@@ -271,4 +284,5 @@ class HostOptimizer:
             self._stepped.clear()
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        for worker in self._workers:
+            worker.shutdown(wait=True)

@@ -26,7 +26,7 @@ def test_forward_waits_for_a_running_expert_step():
     off(x).square().sum().backward()
     engine.synchronize()
     gate = threading.Event()
-    engine.optimizer._worker.submit(gate.wait, 10)  # hold the worker: steps queue behind it
+    engine.optimizer._workers[0].submit(gate.wait, 10)  # hold the worker: steps queue behind it
     engine.step()  # returns at once; every expert's step is pending
     opt.step()
     assert all(not engine.optimizer.step_fence(k).done() for k in engine.store.keys())

@@ -37,7 +37,7 @@ def test_a_cpu_device_engine_steps_on_a_one_thread_team():
     store.add_layer(ExpertLayout([("w", (4,))]), 1, lambda e: torch.zeros(4))
     opt = HostOptimizer(store, AdamWConfig(), worker_threads=1)
     try:
-        assert opt._worker.submit(torch.get_num_threads).result(timeout=60) == 1
+        assert opt._workers[0].submit(torch.get_num_threads).result(timeout=60) == 1
     finally:
         opt.close()
         store.close()
