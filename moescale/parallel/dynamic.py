@@ -14,7 +14,7 @@ ExpertStore, see `moescale/shared_store/experts.py`; replicated `GroupedExperts`
   dispatch = rows permuted into (destination, shard) order, uneven all-to-all
   experts  = received (source, shard) blocks reordered to (shard, source): the rows of each
              expert are contiguous, in ascending expert order -> experts.forward_rows, or
-             forward_placed for a container declaring PLACED (moescale.layers.protocol)
+             forward_placed for a container declaring PLACED (moescale.dispatch.protocol)
   combine  = inverse reorder, all-to-all back, inverse permutation, score-weighted index_add
 
 The row permutation follows the placement, whatever it is (tested under random placements:
@@ -51,9 +51,9 @@ import torch.distributed as dist
 
 from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import PLACED, STREAMED, capabilities_of
 from moescale.layers.experts import compute_dtype
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import PLACED, STREAMED, capabilities_of
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, collective_errors
 from moescale.parallel.expert_parallel import inverse_permutation, segments_index
 from moescale.parallel.placement import Placement, PlacementConfig, plan_placement

@@ -3,7 +3,7 @@
 Rank r holds experts [r*L, (r+1)*L), L = E/W, as an `ExpertShard` (moescale.layers.shard; any
 expert container with L experts: stacked, module, offloaded; re-exported here); the router is
 replicated. The `ExpertParallelDispatcher` plugs into the MoE seam (`dispatcher(x_TD, plan,
-experts)`) and calls the shard's `forward_rows` (moescale.layers.protocol), so the layer's
+experts)`) and calls the shard's `forward_rows` (moescale.dispatch.protocol), so the layer's
 math is unchanged and any residency works behind it:
 
   plan rows grouped by global expert = grouped by (owner rank p, local expert l)
@@ -39,9 +39,9 @@ from torch import nn
 
 from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import capabilities_of
 from moescale.layers.experts import GroupedExperts, ModuleExperts, compute_dtype
 from moescale.layers.moe import MoE, MoEConfig
-from moescale.layers.protocol import capabilities_of
 from moescale.layers.shard import (EXPERT_ATTR, ExpertShard, is_expert_parameter,
                                    mark_expert_parameters)
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, exchange_counts

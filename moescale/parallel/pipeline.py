@@ -28,22 +28,22 @@ from typing import Mapping
 import torch
 
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import (CHUNKED, FFN_SHAPE, GROUPED_WEIGHTS, SHARD,
+                                        AutogradChunkRunner, capabilities_of)
 from moescale.layers.expert_threads import num_expert_workers
 from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import work_dtype
-from moescale.layers.protocol import (CHUNKED, FFN_SHAPE, GROUPED_WEIGHTS, SHARD,
-                                      AutogradChunkRunner, capabilities_of)
 from moescale.parallel.all_to_all import exchange_counts
 from moescale.parallel.cost_model import STRATEGIES, LayerShape, Rates, choose_strategy, \
     measure_rates
 from moescale.parallel.expert_parallel import ExpertParallelDispatcher
-from moescale.parallel.memory_model import STRATEGY_NAMES, chunks_that_fit
 from moescale.parallel.groups import ParallelGroups
+from moescale.parallel.memory_model import STRATEGY_NAMES, chunks_that_fit
 from moescale.parallel.pipeline_grouped import PipelinedAllToAll, run_grouped_pipeline
 from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec, chunk_layouts
-from moescale.parallel.pipeline_schedule import elapsed, mark
 from moescale.parallel.pipeline_modules import (MODULE_STRATEGIES, PipelinedRowsAllToAll,
                                                 check_rows_strategy)
+from moescale.parallel.pipeline_schedule import elapsed, mark
 from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
 
 __all__ = ["ChunkLayout", "PipelineSpec", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher",
@@ -54,7 +54,7 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
     """Static EP through `PipelinedAllToAll` with `num_chunks` chunks (an int, or "auto" for the
     online tuner) and reuse `strategy`.
 
-    The shard's container is chosen by capability (moescale.layers.protocol): GROUPED_WEIGHTS
+    The shard's container is chosen by capability (moescale.dispatch.protocol): GROUPED_WEIGHTS
     (resident stacked experts) runs the grouped FFN kernels per chunk (all strategies); any
     other container goes through `PipelinedRowsAllToAll` (strategies none, S2, S4), run by its
     own ChunkRunner when it declares CHUNKED (offloaded experts: uploads overlapped across the

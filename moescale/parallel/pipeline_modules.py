@@ -4,7 +4,7 @@ ES-MoE's offloaded experts).
 `PipelinedRowsAllToAll` has the same chunking, overlap, process groups and fused combine as
 `PipelinedAllToAll` (both drive their chunks with pipeline_schedule's `forward_chunks` /
 `backward_chunks`) but hands each chunk's rows, in expert order, to a `ChunkRunner`
-(moescale.layers.protocol) instead of running the grouped FFN kernels itself:
+(moescale.dispatch.protocol) instead of running the grouped FFN kernels itself:
 
   - a container that declares CHUNKED gives its own runner (`chunk_runner`): offloaded
     experts stream their weights from the store through the device cache across the chunks
