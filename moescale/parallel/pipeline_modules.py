@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
+from moescale.dispatch.chunk_layout import ChunkLayout
 from moescale.parallel.cost_model import STRATEGIES
-from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec
-from moescale.parallel.pipeline_schedule import (backward_chunks, forward_chunks, make_ring,
-                                                 to_device, to_host)
+from moescale.parallel.pipeline_schedule import (PipelineSpec, backward_chunks, forward_chunks,
+                                                 make_ring, to_device, to_host)
 
 MODULE_STRATEGIES = ("none", "S2", "S4")
 

@@ -1,5 +1,6 @@
-"""Chunk cuts of the pipelined all-to-all (pure host arithmetic, no processes): every row in
-exactly one chunk, sender and receiver agree on every chunk's split, chunks balanced."""
+"""Chunk cuts of the pipelined all-to-all (moescale.dispatch.chunk_layout; pure host arithmetic,
+no processes): every row in exactly one chunk, sender and receiver agree on every chunk's split,
+chunks balanced."""
 
 import math
 import random
@@ -7,7 +8,7 @@ import random
 import pytest
 import torch
 
-from moescale.parallel.pipeline_layout import chunk_layouts
+from moescale.dispatch.chunk_layout import chunk_layouts
 
 
 def _counts(W: int, L: int, seed: int) -> list[list[list[int]]]:
@@ -37,3 +38,4 @@ def test_chunks_cover_rows_agree_between_peers_and_balance(W, L, C, seed):
         for r in range(W):
             for p in range(W):
                 assert layouts[r][k].send_splits[p] == layouts[p][k].recv_splits[r], (k, r, p)
+
