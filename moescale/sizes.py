@@ -42,13 +42,13 @@ def parse_size(text, option: str) -> int:
 
 def fmt_bytes(n: float, exact: bool = False) -> str:
     """A byte count in binary units with one decimal: '512 B', '1.5 KiB', '64.0 MiB', '2.0 GiB',
-    '3.1 TiB'. `exact` adds the count where the unit rounds it (errors about budgets and free
-    space): '67108864 bytes (64.0 MiB)'."""
+    '3.1 TiB'. `exact` (errors about budgets and free space) gives the count itself, and the
+    unit where that rounds it: '400 bytes', '67108864 bytes (64.0 MiB)'."""
     value = n
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
             break
         value /= 1024
-    if unit == "B":
-        return f"{int(n)} B"
-    return f"{int(n)} bytes ({value:.1f} {unit})" if exact else f"{value:.1f} {unit}"
+    if exact:
+        return f"{int(n)} bytes" + ("" if unit == "B" else f" ({value:.1f} {unit})")
+    return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"

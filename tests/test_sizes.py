@@ -21,8 +21,8 @@ def test_binary_units_one_decimal(n, text):
     assert fmt_bytes(n) == text
 
 
-def test_exact_adds_the_count_where_the_unit_rounds_it():
-    assert fmt_bytes(512, exact=True) == "512 B"
+def test_exact_gives_the_count_and_the_unit_where_that_rounds_it():
+    assert fmt_bytes(512, exact=True) == "512 bytes"
     assert fmt_bytes(64 << 20, exact=True) == "67108864 bytes (64.0 MiB)"
     assert fmt_bytes(3 * 2**30 + 7, exact=True) == "3221225479 bytes (3.0 GiB)"
 
