@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 import torch
 
 from moescale.layers.grad_buffers import GradBuffers
+from moescale.sizes import fmt_bytes
 
 
 class DeviceBudgetError(MemoryError):
@@ -56,10 +57,6 @@ class DeviceBudgetError(MemoryError):
 
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes} bytes ({nbytes / 2**20:.2f} MiB)"
 
 
 class _Ledger:
@@ -84,9 +81,10 @@ class _Ledger:
                 can_wait = self.used_bytes - self.async_bytes + nbytes <= self.budget_bytes
                 if not (block and can_wait):
                     raise DeviceBudgetError(
-                        f"{self.name}: reserving {_fmt(nbytes)} for {what} exceeds the device "
-                        f"budget of {_fmt(self.budget_bytes)} ({_fmt(self.used_bytes)} in use); "
-                        "raise the device budget, or lower the look-ahead / pinned experts")
+                        f"{self.name}: reserving {fmt_bytes(nbytes, exact=True)} for {what} "
+                        f"exceeds the device budget of {fmt_bytes(self.budget_bytes, exact=True)} "
+                        f"({fmt_bytes(self.used_bytes, exact=True)} in use); raise the device "
+                        "budget, or lower the look-ahead / pinned experts")
                 self.freed.wait()
             self.used_bytes += nbytes
             self.async_bytes += nbytes if async_release else 0

@@ -16,6 +16,8 @@ import platform
 import shutil
 from pathlib import Path
 
+from moescale.sizes import fmt_bytes
+
 _PACKAGES = ("torch", "numpy", "safetensors", "tqdm", "matplotlib", "tomli-w", "psutil",
              "transformers")
 
@@ -25,10 +27,6 @@ def _version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def gather() -> dict:
@@ -46,7 +44,7 @@ def gather() -> dict:
         info["cuda"] = torch.version.cuda
         info["devices"] = [
             f"cuda:{i} {torch.cuda.get_device_name(i)} "
-            f"{_gib(torch.cuda.get_device_properties(i).total_memory)}"
+            f"{fmt_bytes(torch.cuda.get_device_properties(i).total_memory)}"
             for i in range(torch.cuda.device_count())]
     else:
         info["devices"] = ["none (CPU only; offloading runs against a simulated device budget)"]
@@ -60,13 +58,13 @@ def gather() -> dict:
     info["torch_threads"] = torch.get_num_threads()
     info["cpu_capability"] = capability
     mem = psutil.virtual_memory()
-    info["ram_total"] = _gib(mem.total)
-    info["ram_available"] = _gib(mem.available)
-    info["disk_free_cwd"] = _gib(shutil.disk_usage(os.getcwd()).free)
+    info["ram_total"] = fmt_bytes(mem.total)
+    info["ram_available"] = fmt_bytes(mem.available)
+    info["disk_free_cwd"] = fmt_bytes(shutil.disk_usage(os.getcwd()).free)
     cache = Path("~/.cache").expanduser()
     while not cache.exists() and cache != cache.parent:
         cache = cache.parent
-    info["disk_free_cache"] = _gib(shutil.disk_usage(cache).free)
+    info["disk_free_cache"] = fmt_bytes(shutil.disk_usage(cache).free)
     return info
 
 

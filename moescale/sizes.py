@@ -1,4 +1,5 @@
-"""Byte sizes in configs: the `Size` type of a config field and the parser of its text.
+"""Byte sizes: the `Size` type of a config field, the parser of its text, and `fmt_bytes`, the
+one formatter of byte counts for people (messages, summaries, `moescale plan` and `info`).
 
 A field annotated `Size` (or `Size | None`) holds a number of bytes, an `int` at run time, so
 Python callers pass integers (`device_budget_bytes=64 << 20`); the command line and TOML files
@@ -37,3 +38,17 @@ def parse_size(text, option: str) -> int:
     if not (value >= 1 and math.isfinite(value)):
         raise ValueError(f"{option}={text!r} is invalid: a size must be at least one byte")
     return int(value)
+
+
+def fmt_bytes(n: float, exact: bool = False) -> str:
+    """A byte count in binary units with one decimal: '512 B', '1.5 KiB', '64.0 MiB', '2.0 GiB',
+    '3.1 TiB'. `exact` (errors about budgets and free space) gives the count itself, and the
+    unit where that rounds it: '400 bytes', '67108864 bytes (64.0 MiB)'."""
+    value = n
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if exact:
+        return f"{int(n)} bytes" + ("" if unit == "B" else f" ({value:.1f} {unit})")
+    return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"

@@ -43,10 +43,11 @@ CHUNKS = (1, 2, 4, 8)
 def _rank_body(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
 
+    from moescale.dispatch.index import expert_major_order
     from moescale.dispatch.plan import build_plan
     from moescale.layers.moe import MoE
     from moescale.parallel.all_to_all import start_all_to_all
-    from moescale.parallel.expert_parallel import expert_major_order, shard_moe
+    from moescale.parallel.expert_parallel import shard_moe
     from moescale.parallel.groups import ParallelConfig, build_groups
     from moescale.parallel.pipeline import (PipelinedExpertParallelDispatcher,
                                             run_grouped_pipeline)

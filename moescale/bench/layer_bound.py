@@ -28,9 +28,9 @@ from torch import nn
 from moescale.bench.layer_impls import Candidate
 from moescale.bench.stats import paired_ratio
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import ROUTED
 from moescale.layers.grouped_ffn_autograd import gather_sum, rows_with_zero, token_slots
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import ROUTED
 
 
 class _Movement(torch.autograd.Function):
@@ -65,7 +65,7 @@ class _Movement(torch.autograd.Function):
 
 
 class RoutingOnlyExperts(nn.Module):
-    """An expert container whose experts are the identity (moescale.layers.protocol): an MoE
+    """An expert container whose experts are the identity (moescale.dispatch.protocol): an MoE
     built on it does the routing and the data movement of a dropless layer, and no expert
     work."""
 

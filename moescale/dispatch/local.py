@@ -1,7 +1,7 @@
 """Local dispatch: gather rows by expert, run the experts on this process, combine.
 
 This is the single-process exchange that the expert-parallel dispatchers replace. Containers
-declaring ROUTED (moescale.layers.protocol: stacked and offloaded experts) take their fused path
+declaring ROUTED (moescale.dispatch.protocol: stacked and offloaded experts) take their fused path
 (gather, experts and combine in one autograd Function); any other container gets rows through
 `index_select` and returns them through a weighted `index_add`.
 No dense [T, E, C] mask anywhere.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moescale.dispatch.plan import RoutingPlan
-from moescale.layers.protocol import ROUTED, capabilities_of
+from moescale.dispatch.protocol import ROUTED, capabilities_of
 
 
 def gather_rows(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from moescale.dispatch.protocol import STATE_ACCESS, capabilities_of
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import STATE_ACCESS, capabilities_of
 from moescale.layers.state_access import ExpertState
 from moescale.models.resident import dense_state_dict
 

@@ -1,6 +1,6 @@
-"""Single-device MoE math: the block, the expert interface every container speaks
-(protocol.py), the containers (stacked, module, and the expert-parallel shard), kernels and the
-reference oracle.
+"""Single-device MoE math: the block, the containers (stacked, module, and the
+expert-parallel shard) that speak the expert interface (moescale.dispatch.protocol), expert
+state access, kernels and the reference oracle.
 
 Nothing here imports torch.distributed or creates streams.
 """

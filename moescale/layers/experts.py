@@ -1,6 +1,6 @@
 """Expert containers: stacked FFN/GLU experts, or any list of nn.Modules.
 
-Both are expert containers (moescale.layers.protocol): `forward_rows(x_RD, counts)` maps rows
+Both are expert containers (moescale.dispatch.protocol): `forward_rows(x_RD, counts)` maps rows
 grouped by expert (`counts[e]` consecutive rows for expert e) to outputs in the same order.
 `GroupedExperts` declares ROUTED (`forward_routed(x_TD, plan)` fuses gather, experts and
 combine for the local case), GROUPED_WEIGHTS (`weights(dtype)`: the pipelined all-to-all runs
@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import FFN_SHAPE, GROUPED_WEIGHTS, ROUTED, STATE_ACCESS
 from moescale.layers.activations import Activation
 from moescale.layers.grad_buffers import GradBuffers
 from moescale.layers.grouped_ffn import PARAM_NAMES, FFNWeights
 from moescale.layers.grouped_ffn_autograd import GroupedFFNRouted, GroupedFFNRows
-from moescale.layers.protocol import FFN_SHAPE, GROUPED_WEIGHTS, ROUTED, STATE_ACCESS
 from moescale.layers.state_access import ResidentAccess
 
 

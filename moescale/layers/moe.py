@@ -8,7 +8,7 @@ sums the former over a model. Nothing is kept in module-level state.
 Two seams: the dispatcher owns the exchange (`LocalDispatcher` here; the expert-parallel,
 pipelined and dynamic-placement dispatchers plug into the same place without changing the
 layer's math), the expert container owns the residency (resident, offloaded, shared store) and
-computes rows in expert order (moescale.layers.protocol). Any dispatcher composes with any
+computes rows in expert order (moescale.dispatch.protocol). Any dispatcher composes with any
 container that offers what it asks for.
 
 Legend: T tokens, D model width, E experts, K experts per token.
@@ -25,8 +25,8 @@ from torch import nn
 
 from moescale.dispatch.local import LocalDispatcher
 from moescale.dispatch.plan import build_plan
+from moescale.dispatch.protocol import ExpertContainer
 from moescale.layers.experts import GroupedExperts, ModuleExperts
-from moescale.layers.protocol import ExpertContainer
 from moescale.routing.config import RouterConfig, expert_capacity
 from moescale.routing.losses import balance_loss, z_loss
 from moescale.routing.routers import Router
@@ -121,7 +121,7 @@ class MoE(nn.Module):
     `experts`: None (stacked FFN/GLU experts built from d_ff/activation/glu/bias), a list of
     nn.Modules (any module mapping [N, d_model] -> [N, d_model]; lists may be heterogeneous;
     num_experts defaults to its length), a factory `factory(e) -> nn.Module`, or an expert
-    container (moescale.layers.protocol.ExpertContainer).
+    container (moescale.dispatch.protocol.ExpertContainer).
     `expert_device="meta"` builds stacked experts without memory (to be offloaded with
     `offload_moe(..., expert_init=...)`); the router stays on `device`.
     """

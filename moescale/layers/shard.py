@@ -4,7 +4,7 @@ Rank r of W holds experts [r*L, (r+1)*L) of E as `local`, any expert container w
 (stacked, module, offloaded); its parameters are tagged as expert parameters (DDP/FSDP skip
 them, gradient synchronization treats them as shards). `num_experts` is the layer's total E
 (so `MoE` accepts the shard), `expert_ids` the global ids held. The shard passes the local
-container's capabilities on (see moescale.layers.protocol), except the local dispatcher's
+container's capabilities on (see moescale.dispatch.protocol), except the local dispatcher's
 ROUTED path: a shard only makes sense behind an exchange. Swapping `local` (offload_moe does)
 changes the capabilities with it.
 
@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from moescale.layers.protocol import ROUTED, SHARD, capabilities_of
+from moescale.dispatch.protocol import ROUTED, SHARD, capabilities_of
 
 EXPERT_ATTR = "moescale_expert"   # set to True on parameters that are sharded experts
 

@@ -1,6 +1,6 @@
 """How an expert's state is read and written, whatever holds it: the `STATE_ACCESS` capability.
 
-A container that declares `STATE_ACCESS` (moescale.layers.protocol) offers
+A container that declares `STATE_ACCESS` (moescale.dispatch.protocol) offers
 
   state_access(key, optimizer=None, engine=None) -> ExpertState
 

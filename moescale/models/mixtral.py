@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from moescale.atomic import new_directory
+from moescale.dispatch.protocol import FFN_SHAPE, SHARD, capabilities_of
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import FFN_SHAPE, SHARD, capabilities_of
 from moescale.models.checkpoint import consolidated_state_dict
 from moescale.models.gpt import GPT, GPTConfig
 

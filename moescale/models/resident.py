@@ -27,9 +27,9 @@ import warnings
 import torch
 from torch import nn
 
+from moescale.dispatch.protocol import SHARD, STATE_ACCESS, STREAMED, ExpertContainer
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import SHARD, STATE_ACCESS, STREAMED, ExpertContainer
 from moescale.layers.shard import mark_expert_parameters
 
 

@@ -25,8 +25,8 @@ import shutil
 import psutil
 from torch import nn
 
+from moescale.dispatch.protocol import FFN_SHAPE, capabilities_of
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import FFN_SHAPE, capabilities_of
 from moescale.offload.planner import A100_NODE, Budgets, ModelSpec, plan
 from moescale.offload.rates import measure_rates
 

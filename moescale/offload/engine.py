@@ -23,7 +23,7 @@ Expert-parallel layers (`ExpertShard` experts, moescale.layers.shard) are offloa
 behind the static or the pipelined exchange: the store holds this rank's local experts only
 (store expert l is global expert `expert_ids.start + l`), so each rank of an EP group streams
 its own shard (docs/offloading.md, "Offloading with expert parallelism"). Nothing here knows
-the exchange: the dispatchers call the containers through moescale.layers.protocol.
+the exchange: the dispatchers call the containers through moescale.dispatch.protocol.
 
 `build_engine` takes a concrete tier; `OffloadConfig(tier="auto", ...)` is resolved by the
 planner above the engine (entry.py: offload_moe, auto.py), and `engine.plan` holds its pick.
@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from moescale.devices import SimulatedDevice, make_device
+from moescale.dispatch.protocol import SHARD, capabilities_of
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.grouped_ffn import PARAM_NAMES
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import SHARD, capabilities_of
 from moescale.offload.cache import DeviceCache
 from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.checkpoint import load_store, save_store

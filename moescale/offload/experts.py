@@ -14,7 +14,7 @@ Experts with no rows are never uploaded. The weights are not autograd inputs: th
 leaves through the store. A zero-size `anchor` input that requires grad makes backward run
 even when neither x nor the scores need a gradient.
 
-The containers are expert containers (moescale.layers.protocol) declaring ROUTED
+The containers are expert containers (moescale.dispatch.protocol) declaring ROUTED
 (`forward_routed(x_TD, plan)`: gather, experts, score-weighted combine fused), STREAMED
 (gradients leave through the store) and CHUNKED (`chunk_runner(...)`: a pipelined exchange
 drives them chunk by chunk, chunked.py); `forward_rows(x_RD, counts)` takes rows already
@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import CHUNKED, FFN_SHAPE, ROUTED, STATE_ACCESS, STREAMED
 from moescale.layers.activations import Activation
 from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import (PARAM_NAMES, FFNWeights, ffn_backward, ffn_forward,
                                          mm_into)
-from moescale.layers.protocol import CHUNKED, FFN_SHAPE, ROUTED, STATE_ACCESS, STREAMED
 from moescale.offload.chunked import StreamedChunkRunner, row_starts
 from moescale.offload.store_access import StoreAccess
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 
-from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, fmt_bytes,
-                                      fmt_seconds, largest_experts, plan)
+from moescale.offload.planner import (A100_NODE, MODES, Budgets, ModelSpec, fmt_seconds,
+                                      largest_experts, plan)
 from moescale.offload.rates import measure_rates
 from moescale.offload.state_format import MASTERS, MOMENTS
+from moescale.sizes import fmt_bytes
 
 GB = 1 << 30
 

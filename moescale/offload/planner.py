@@ -317,14 +317,6 @@ def largest_experts(m: ModelSpec, b: Budgets, r: Rates, mode: str, limit: int = 
     return lo
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
 

@@ -21,6 +21,7 @@ import torch
 
 from moescale.offload import records
 from moescale.offload.state_format import StateFormat
+from moescale.sizes import fmt_bytes
 
 MASTER, GRAD, EXP_AVG, EXP_AVG_SQ = 0, 1, 2, 3
 # where each of those rows sits in a disk-tier record file / slot
@@ -135,10 +136,9 @@ def check_directory(directory: str, need_bytes: int) -> None:
                          "writable directory for the disk tier") from err
     free = shutil.disk_usage(directory).free
     if free < need_bytes:
-        raise OSError(errno.ENOSPC, f"the disk tier needs {need_bytes} bytes "
-                      f"({need_bytes / 2**30:.2f} GiB) under {directory!r} but only {free} "
-                      f"bytes ({free / 2**30:.2f} GiB) are free; free space or choose another "
-                      "directory")
+        raise OSError(errno.ENOSPC, f"the disk tier needs {fmt_bytes(need_bytes, exact=True)} "
+                      f"under {directory!r} but only {fmt_bytes(free, exact=True)} are free; "
+                      "free space or choose another directory")
 
 
 def default_host_cache(record_bytes: int, total_bytes: int) -> int:

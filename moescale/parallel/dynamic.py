@@ -7,14 +7,14 @@ ExpertStore, see `moescale/shared_store/experts.py`; replicated `GroupedExperts`
   plan     = plan_placement(sum over ranks, config): the same deterministic LPT on every rank,
              so nobody broadcasts a decision (a `placement_hook` may replace it, e.g. a random
              permutation in tests)
-  layout   = pure host arithmetic on (counts_WE, placement): global rows of expert e are
-             ordered (source rank, the source's row order); shard (e, d, a, b) takes global rows
-             [a, b) of e to device d. Each rank knows every send and receive split, so no
-             counts exchange is needed.
+  layout   = pure host arithmetic on (counts_WE, placement) (moescale.dispatch.placed_layout):
+             global rows of expert e are ordered (source rank, the source's row order); shard
+             (e, d, a, b) takes global rows [a, b) of e to device d. Each rank knows every send
+             and receive split, so no counts exchange is needed.
   dispatch = rows permuted into (destination, shard) order, uneven all-to-all
   experts  = received (source, shard) blocks reordered to (shard, source): the rows of each
              expert are contiguous, in ascending expert order -> experts.forward_rows, or
-             forward_placed for a container declaring PLACED (moescale.layers.protocol)
+             forward_placed for a container declaring PLACED (moescale.dispatch.protocol)
   combine  = inverse reorder, all-to-all back, inverse permutation, score-weighted index_add
 
 The row permutation follows the placement, whatever it is (tested under random placements:
@@ -49,13 +49,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from moescale.dispatch.index import inverse_permutation
 from moescale.dispatch.local import combine_rows, gather_rows
+from moescale.dispatch.placed_layout import RowLayout, row_layout
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import PLACED, STREAMED, capabilities_of
 from moescale.layers.experts import compute_dtype
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import PLACED, STREAMED, capabilities_of
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, collective_errors
-from moescale.parallel.expert_parallel import inverse_permutation, segments_index
 from moescale.parallel.placement import Placement, PlacementConfig, plan_placement
 
 
@@ -124,86 +125,6 @@ class PlacementStats:
     imbalance: float        # max / mean modelled load (1.0: perfect)
     num_split: int          # experts whose rows were sharded over several devices
     bound: float            # lower bound of max/mean without splitting: max(e load) * W / total
-
-
-@dataclass
-class RowLayout:
-    """How this rank's rows move in one call (host lists and index tensors)."""
-
-    send_perm_R: torch.Tensor | None    # x_sent = x_RD[send_perm_R] (None: identity)
-    send_splits: list[int]
-    recv_splits: list[int]
-    expert_perm_S: torch.Tensor | None  # x_local = x_recv[expert_perm_S] (None: identity)
-    local_counts_E: list[int]           # rows per expert on this device (ascending expert)
-    owners_E: list[int]                 # the device that owns (accumulates, steps) each expert
-    split_experts: list[int]            # experts with shards on more than one device
-
-
-def row_layout(counts_WE: list[list[int]], placement: Placement, rank: int,
-               device=None) -> RowLayout:
-    """The permutations and splits for `rank` under `placement` (same answer on every rank)."""
-    W, E = len(counts_WE), len(counts_WE[0])
-    total_E = [sum(counts_WE[s][e] for s in range(W)) for e in range(E)]
-    work: list[list[tuple[int, int, int]]] = [[] for _ in range(W)]
-    covered = [0] * E
-    devices_of: list[set[int]] = [set() for _ in range(E)]
-    for e, d, a, b in placement.raw_shards:
-        if not 0 <= d < W:
-            raise ValueError(f"the placement puts expert {e} on device {d}; the group has {W}")
-        work[d].append((e, a, b))
-        covered[e] += b - a
-        devices_of[e].add(d)
-    if covered != total_E:
-        raise ValueError(f"the placement covers {covered} rows per expert but the ranks "
-                         f"routed {total_E}; every row needs exactly one shard")
-    for shards in work:
-        shards.sort()   # ascending expert, then row start: experts contiguous on the device
-    offset_WE = [[0] * E for _ in range(W)]   # global row of expert e where source s starts
-    for e in range(E):
-        acc = 0
-        for s in range(W):
-            offset_WE[s][e] = acc
-            acc += counts_WE[s][e]
-
-    def piece(s: int, e: int, a: int, b: int) -> tuple[int, int]:
-        """(first row within source s's rows of e, number of rows) of shard [a, b) of e."""
-        lo, hi = max(a, offset_WE[s][e]), min(b, offset_WE[s][e] + counts_WE[s][e])
-        return lo - offset_WE[s][e], max(0, hi - lo)
-
-    plan_start_E, acc = [], 0          # where expert e's rows begin in this rank's plan
-    for e in range(E):
-        plan_start_E.append(acc)
-        acc += counts_WE[rank][e]
-    send_segments, send_splits = [], []
-    for d in range(W):
-        n_d = 0
-        for e, a, b in work[d]:
-            first, n = piece(rank, e, a, b)
-            send_segments.append((plan_start_E[e] + first, n))
-            n_d += n
-        send_splits.append(n_d)
-    recv_n = [[piece(s, e, a, b)[1] for (e, a, b) in work[rank]] for s in range(W)]
-    recv_splits = [sum(row) for row in recv_n]
-    block_start, acc = {}, 0            # received layout: (source, shard)-major
-    for s in range(W):
-        for j, n in enumerate(recv_n[s]):
-            block_start[s, j] = acc
-            acc += n
-    local_segments, local_counts_E = [], [0] * E
-    for j, (e, _, _) in enumerate(work[rank]):   # wanted: (shard, source)-major
-        for s in range(W):
-            local_segments.append((block_start[s, j], recv_n[s][j]))
-            local_counts_E[e] += recv_n[s][j]
-    owners_E = [-1] * E
-    for e, d, a, _ in placement.raw_shards:
-        if a == 0:
-            owners_E[e] = d    # the device of the shard holding the expert's first rows
-    split = [e for e in range(E) if len(devices_of[e]) > 1]
-    return RowLayout(
-        send_perm_R=segments_index(send_segments, sum(send_splits), device),
-        send_splits=send_splits, recv_splits=recv_splits,
-        expert_perm_S=segments_index(local_segments, sum(recv_splits), device),
-        local_counts_E=local_counts_E, owners_E=owners_E, split_experts=split)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -301,7 +222,7 @@ class DynamicPlacementDispatcher:
                              "or replicated GroupedExperts")
         counts_WE = self.gather_counts(plan.counts, x_TD.device)
         placement = self.place(counts_WE)
-        lay = row_layout(counts_WE, placement, self.rank, x_TD.device)
+        lay = row_layout(counts_WE, placement.raw_shards, self.rank, x_TD.device)
         self.last_layout = lay
         W, group = self.size, self.group
         x_TD = x_TD.to(compute_dtype(x_TD))

@@ -3,7 +3,7 @@
 Rank r holds experts [r*L, (r+1)*L), L = E/W, as an `ExpertShard` (moescale.layers.shard; any
 expert container with L experts: stacked, module, offloaded; re-exported here); the router is
 replicated. The `ExpertParallelDispatcher` plugs into the MoE seam (`dispatcher(x_TD, plan,
-experts)`) and calls the shard's `forward_rows` (moescale.layers.protocol), so the layer's
+experts)`) and calls the shard's `forward_rows` (moescale.dispatch.protocol), so the layer's
 math is unchanged and any residency works behind it:
 
   plan rows grouped by global expert = grouped by (owner rank p, local expert l)
@@ -23,8 +23,9 @@ scale while input gradients are untouched. See docs/expert_parallel.md.
 Capacity (when the layer has a capacity factor) is computed by each rank on its own tokens:
 expert e keeps at most `capacity` rows from each source rank.
 
-Not here: chunked pipelining (`moescale.parallel.pipeline`), dynamic placement, gradient
-synchronization (`moescale.parallel.grad_sync`).
+Not here: the index math of the reorder (`moescale.dispatch.index`), chunked pipelining
+(`moescale.parallel.pipeline`), dynamic placement, gradient synchronization
+(`moescale.parallel.grad_sync`).
 
 Legend: T tokens, R rows sent (grouped by global expert), S rows received, D model width,
 E experts in total, W ranks of the EP group, L = E / W experts per rank.
@@ -37,20 +38,20 @@ import copy
 import torch
 from torch import nn
 
+from moescale.dispatch.index import expert_major_order, inverse_permutation
 from moescale.dispatch.local import combine_rows, gather_rows
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import capabilities_of
 from moescale.layers.experts import GroupedExperts, ModuleExperts, compute_dtype
 from moescale.layers.moe import MoE, MoEConfig
-from moescale.layers.protocol import capabilities_of
 from moescale.layers.shard import (EXPERT_ATTR, ExpertShard, is_expert_parameter,
                                    mark_expert_parameters)
 from moescale.parallel.all_to_all import all_reduce_sum, all_to_all_rows, exchange_counts
 from moescale.parallel.groups import ParallelGroups
 
-__all__ = ["EXPERT_ATTR", "ExpertParallelDispatcher", "ExpertShard", "expert_major_order",
-           "expert_parallel_model", "expert_parallel_moe", "expert_parallel_split",
-           "inverse_permutation", "is_expert_parameter", "mark_expert_parameters",
-           "segments_index", "shard_experts", "shard_moe"]
+__all__ = ["EXPERT_ATTR", "ExpertParallelDispatcher", "ExpertShard", "expert_parallel_model",
+           "expert_parallel_moe", "expert_parallel_split", "is_expert_parameter",
+           "mark_expert_parameters", "shard_experts", "shard_moe"]
 
 def expert_parallel_split(num_experts: int, ep_size: int, ep_rank: int) -> range:
     """The global expert ids held by `ep_rank`."""
@@ -59,53 +60,6 @@ def expert_parallel_split(num_experts: int, ep_size: int, ep_rank: int) -> range
                          f"expert-parallel size {ep_size}; use num_experts = k * {ep_size}")
     local = num_experts // ep_size
     return range(ep_rank * local, (ep_rank + 1) * local)
-
-
-def segments_index(segments: list[tuple[int, int]], total: int, device) -> torch.Tensor | None:
-    """Index gathering consecutive (start, length) segments of a `total`-row tensor, in the
-    order given (out = x[index]); None when it is the identity."""
-    shift_B, n_B, dst, identity = [], [], 0, True
-    for start, n in segments:
-        if n == 0:
-            continue
-        identity &= start == dst
-        shift_B.append(start - dst)
-        n_B.append(n)
-        dst += n
-    assert dst == total, (dst, total)
-    if identity:
-        return None
-    shift_S = torch.repeat_interleave(torch.tensor(shift_B, device=device),
-                                      torch.tensor(n_B, device=device), output_size=total)
-    return torch.arange(total, device=device) + shift_S
-
-
-def expert_major_order(recv_counts_WL: list[list[int]], device) -> tuple[torch.Tensor | None,
-                                                                         list[int]]:
-    """Index that reorders rows from (source, expert)-major to (expert, source)-major.
-
-    Returns (perm_S or None when the order is already expert-major, local_counts_L) with
-    expert_major = source_major[perm_S].
-    """
-    num_src = len(recv_counts_WL)
-    num_local = len(recv_counts_WL[0]) if num_src else 0
-    local_counts = [sum(recv_counts_WL[s][l] for s in range(num_src)) for l in range(num_local)]
-    if num_src == 1 or num_local == 1:
-        return None, local_counts
-    src_start, offset = {}, 0
-    for s in range(num_src):
-        for l in range(num_local):
-            src_start[s, l] = offset
-            offset += recv_counts_WL[s][l]
-    segments = [(src_start[s, l], recv_counts_WL[s][l])
-                for l in range(num_local) for s in range(num_src)]
-    return segments_index(segments, offset, device), local_counts
-
-
-def inverse_permutation(perm_S: torch.Tensor) -> torch.Tensor:
-    inv_S = torch.empty_like(perm_S)
-    inv_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
-    return inv_S
 
 
 class ExpertParallelDispatcher:

@@ -4,12 +4,15 @@ model.
 
 The pieces live beside it:
 
-  pipeline_layout.py    chunk cuts inside every (peer, expert) bin, `PipelineSpec`
-  pipeline_schedule.py  the chunk schedule of both directions, receive slots, combine fused in
+  pipeline_schedule.py  the chunk schedule of both directions, receive slots, combine fused in;
+                        `PipelineSpec`
   pipeline_grouped.py   `PipelinedAllToAll` over grouped FFN/GLU experts (strategies none, S1-S4)
   pipeline_modules.py   `PipelinedRowsAllToAll` over any expert container (none, S2, S4)
   cost_model.py         per-rank peak memory and step time per strategy; `choose_strategy`
   tuner.py              the online chunk-count tuner
+
+The chunk cuts inside every (peer, expert) bin are moescale.dispatch.chunk_layout's (host
+arithmetic, no process group).
 
 This file only decides, per call: the counts exchange (which also carries each rank's row count
 and last measured time for the tuner), the chunk count, the strategy, and which Function runs.
@@ -27,34 +30,34 @@ from typing import Mapping
 
 import torch
 
+from moescale.dispatch.chunk_layout import chunk_layouts
 from moescale.dispatch.plan import RoutingPlan
+from moescale.dispatch.protocol import (CHUNKED, FFN_SHAPE, GROUPED_WEIGHTS, SHARD,
+                                        AutogradChunkRunner, capabilities_of)
 from moescale.layers.expert_threads import num_expert_workers
 from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import work_dtype
-from moescale.layers.protocol import (CHUNKED, FFN_SHAPE, GROUPED_WEIGHTS, SHARD,
-                                      AutogradChunkRunner, capabilities_of)
 from moescale.parallel.all_to_all import exchange_counts
 from moescale.parallel.cost_model import STRATEGIES, LayerShape, Rates, choose_strategy, \
     measure_rates
 from moescale.parallel.expert_parallel import ExpertParallelDispatcher
-from moescale.parallel.memory_model import STRATEGY_NAMES, chunks_that_fit
 from moescale.parallel.groups import ParallelGroups
+from moescale.parallel.memory_model import STRATEGY_NAMES, chunks_that_fit
 from moescale.parallel.pipeline_grouped import PipelinedAllToAll, run_grouped_pipeline
-from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec, chunk_layouts
-from moescale.parallel.pipeline_schedule import elapsed, mark
 from moescale.parallel.pipeline_modules import (MODULE_STRATEGIES, PipelinedRowsAllToAll,
                                                 check_rows_strategy)
+from moescale.parallel.pipeline_schedule import PipelineSpec, elapsed, mark
 from moescale.parallel.tuner import ChunkTuner, TunerConfig, bucket_of
 
-__all__ = ["ChunkLayout", "PipelineSpec", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher",
-           "chunk_layouts", "run_grouped_pipeline"]
+__all__ = ["PipelineSpec", "PipelinedAllToAll", "PipelinedExpertParallelDispatcher",
+           "run_grouped_pipeline"]
 
 
 class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
     """Static EP through `PipelinedAllToAll` with `num_chunks` chunks (an int, or "auto" for the
     online tuner) and reuse `strategy`.
 
-    The shard's container is chosen by capability (moescale.layers.protocol): GROUPED_WEIGHTS
+    The shard's container is chosen by capability (moescale.dispatch.protocol): GROUPED_WEIGHTS
     (resident stacked experts) runs the grouped FFN kernels per chunk (all strategies); any
     other container goes through `PipelinedRowsAllToAll` (strategies none, S2, S4), run by its
     own ChunkRunner when it declares CHUNKED (offloaded experts: uploads overlapped across the

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import torch
 
+from moescale.dispatch.chunk_layout import ChunkLayout
 from moescale.layers.experts import GroupedExperts
 from moescale.layers.grouped_ffn import (FFNWeights, ffn_backward_blocks, ffn_forward_blocks,
                                          work_dtype)
 from moescale.parallel.cost_model import STRATEGIES
 from moescale.parallel.memory_model import pipeline_block_rows
-from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec
-from moescale.parallel.pipeline_schedule import (backward_chunks, forward_chunks, make_ring,
-                                                 mark, to_device, to_host)
+from moescale.parallel.pipeline_schedule import (PipelineSpec, backward_chunks, forward_chunks,
+                                                 make_ring, mark, to_device, to_host)
 
 
 def _row_reader(src: torch.Tensor, lay: ChunkLayout, work: torch.dtype):

@@ -4,7 +4,7 @@ ES-MoE's offloaded experts).
 `PipelinedRowsAllToAll` has the same chunking, overlap, process groups and fused combine as
 `PipelinedAllToAll` (both drive their chunks with pipeline_schedule's `forward_chunks` /
 `backward_chunks`) but hands each chunk's rows, in expert order, to a `ChunkRunner`
-(moescale.layers.protocol) instead of running the grouped FFN kernels itself:
+(moescale.dispatch.protocol) instead of running the grouped FFN kernels itself:
 
   - a container that declares CHUNKED gives its own runner (`chunk_runner`): offloaded
     experts stream their weights from the store through the device cache across the chunks
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
+from moescale.dispatch.chunk_layout import ChunkLayout
 from moescale.parallel.cost_model import STRATEGIES
-from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec
-from moescale.parallel.pipeline_schedule import (backward_chunks, forward_chunks, make_ring,
-                                                 to_device, to_host)
+from moescale.parallel.pipeline_schedule import (PipelineSpec, backward_chunks, forward_chunks,
+                                                 make_ring, to_device, to_host)
 
 MODULE_STRATEGIES = ("none", "S2", "S4")
 

@@ -26,6 +26,9 @@ Buffers (what lives per chunk, and for how long):
   - nothing of chunk k stays alive after its return exchange completes unless the strategy
     keeps it (the caller's `compute` owns that decision).
 
+`PipelineSpec` (here) is what the pipeline Functions read of one call besides tensors: the
+chunk layouts (moescale.dispatch.chunk_layout), groups, strategy, gradient scale.
+
 `mark` / `elapsed` time a call without a host sync (the tuner reads them one call later).
 
 Callbacks: forward `compute(k, layout, x_SD) -> y_SD` (source-major rows, may be x_SD
@@ -39,11 +42,35 @@ chunk (source-major), D model width.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from moescale.dispatch.chunk_layout import ChunkLayout
 from moescale.parallel.all_to_all import PendingAllToAll, start_all_to_all
-from moescale.parallel.pipeline_layout import ChunkLayout, PipelineSpec
+from moescale.parallel.groups import ParallelGroups
+
+
+@dataclass
+class PipelineSpec:
+    """Everything the pipeline Functions need besides tensors (host data and groups)."""
+
+    layouts: list[ChunkLayout]
+    groups: ParallelGroups
+    strategy: str
+    num_rows: int                      # R: rows of the plan on this rank
+    grad_scale: float                  # multiplies expert weight gradients
+    block_rows: int | None = None      # rows per expert GEMM block (None: pipeline_block_rows)
+    stats: dict = field(default_factory=dict)   # filled in: buffer bytes, offloaded bytes
+    trace: list | None = None          # if a list: (event, chunk) in issue order (for tests)
+
+    def note(self, event: str, chunk: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, chunk))
+
+    @property
+    def max_recv(self) -> int:
+        return max((lay.num_recv for lay in self.layouts), default=0)
 
 
 class SlotRing:

@@ -39,11 +39,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
 
+from moescale.dispatch.protocol import PLACED, STATE_ACCESS, STREAMED
 from moescale.layers.activations import Activation
 from moescale.layers.experts import GroupedExperts, compute_dtype
 from moescale.layers.grouped_ffn import PARAM_NAMES, FFNWeights, ffn_backward, ffn_forward
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import PLACED, STATE_ACCESS, STREAMED
 from moescale.offload.records import STATE
 from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
 from moescale.offload.store_access import StoreAccess

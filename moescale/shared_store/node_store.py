@@ -53,6 +53,7 @@ from moescale.shared_store.experts import (
     grouped_experts_of,
     grouped_layout,
 )
+from moescale.sizes import fmt_bytes
 
 DEFAULT_DIRECTORY = "/dev/shm"
 DIRECTORY_VARIABLE = "MOESCALE_SHM_DIR"   # overrides the default (a tmpfs directory)
@@ -78,8 +79,9 @@ def _create(path: str, numel: int, directory: str) -> torch.Tensor:
                          "directory; dynamic placement needs a tmpfs such as /dev/shm")
     free = shutil.disk_usage(directory).free
     if free < need:
-        raise OSError(errno.ENOSPC, f"the shared expert store needs {need} bytes "
-                      f"({need / 2**20:.1f} MiB) in {directory!r} but {free} bytes are free; "
+        raise OSError(errno.ENOSPC, f"the shared expert store needs "
+                      f"{fmt_bytes(need, exact=True)} in {directory!r} but "
+                      f"{fmt_bytes(free, exact=True)} are free; "
                       "give the machine (container) more shared memory, e.g. docker "
                       "--shm-size, or train a smaller model")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from moescale.layers.moe import MoE
-from moescale.offload.planner import fmt_bytes
+from moescale.sizes import fmt_bytes
 from moescale.shared_store.experts import SharedStoreExperts, grouped_experts_of
 from moescale.shared_store.node_disk import DiskCoherence, node_disk_store
 from moescale.shared_store.node_store import node_expert_store

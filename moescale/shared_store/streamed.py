@@ -40,10 +40,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moescale.devices import make_device
+from moescale.dispatch.protocol import FFN_SHAPE, PLACED, STATE_ACCESS, STREAMED
 from moescale.layers.activations import Activation
 from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward
-from moescale.layers.protocol import FFN_SHAPE, PLACED, STATE_ACCESS, STREAMED
 from moescale.offload.cache import DeviceCache
 from moescale.offload.chunked import row_starts
 from moescale.offload.records import G

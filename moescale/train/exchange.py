@@ -42,6 +42,7 @@ from moescale.parallel.groups import ParallelConfig, init_distributed
 from moescale.parallel.nodes import node_layout
 from moescale.parallel.placement import PlacementConfig
 from moescale.parallel.setup import dispatcher_factory
+from moescale.sizes import fmt_bytes
 from moescale.train.config import RunConfig
 from moescale.train.model import model_config
 from moescale.train.ranks import check_rows, world_size_of_launch
@@ -177,7 +178,7 @@ class StaticExchange:
     def describe(self) -> str:
         g, pc = self.groups, self.pconfig
         limit = "" if pc.memory_limit_bytes is None else \
-            f", memory limit {pc.memory_limit_bytes / 2**20:.1f} MiB per layer step"
+            f", memory limit {fmt_bytes(pc.memory_limit_bytes)} per layer step"
         return (f"experts split over {g.ep_size} expert-parallel ranks ({g.world_size} in all; "
                 f"chunks {pc.chunks}, reuse {pc.reuse}{limit})")
 

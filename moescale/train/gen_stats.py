@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from moescale.layers.moe import MoE
-from moescale.offload.planner import fmt_bytes
+from moescale.sizes import fmt_bytes
 from moescale.offload.records import POS_MASTER
 from moescale.proc_stats import ProcessIO, peak_rss_bytes, reset_peak_rss
 

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from moescale.models.export_hf import export_hf
+from moescale.sizes import fmt_bytes
 
 EXPORT_DIR = "hf"
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 40}
@@ -142,7 +143,7 @@ def end_of_run_export(run_dir: Path, summary: dict, out, num_params: int) -> Non
     need, free = 12 * num_params, _available_ram()
     if need > free:
         print(f"hf export:    skipped (the export holds the whole model in RAM, about "
-              f"{need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB are free; {later} on a "
+              f"{fmt_bytes(need)}, and {fmt_bytes(free)} are free; {later} on a "
               "machine with more memory)", file=out)
         return
     path, how = refresh_run_export(run_dir)

@@ -32,7 +32,7 @@ import torch
 
 from moescale.dir_lock import LOCK_NAME, DirLock, claim_directory
 from moescale.layers.expert_threads import usable_cpus
-from moescale.offload.planner import fmt_bytes
+from moescale.sizes import fmt_bytes
 from moescale.train.config import RunConfig
 
 STATE_BYTES = 16       # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq

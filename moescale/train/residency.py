@@ -31,7 +31,7 @@ import torch
 from moescale.expert_step import ResidentStep
 from moescale.layers.moe import MoE
 from moescale.offload import offload_moe
-from moescale.offload.planner import fmt_bytes
+from moescale.sizes import fmt_bytes
 from moescale.offload.records import POS_GRAD
 from moescale.offload.state_format import RecordGeometry
 from moescale.offload.stepping import OffloadStep, dir_bytes

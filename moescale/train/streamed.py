@@ -45,7 +45,7 @@ import torch
 
 from moescale.layers.moe import MoE
 from moescale.offload import OffloadConfig, offload_moe
-from moescale.offload.planner import fmt_bytes
+from moescale.sizes import fmt_bytes
 from moescale.offload.records import POS_MASTER, M
 from moescale.offload.state_format import RecordGeometry, StateFormat
 from moescale.shared_store.node_store import owner_alive
@@ -160,7 +160,7 @@ def memory_plan(model, memory: int, batch: int, state: StateFormat = StateFormat
         raise ValueError(f"memory={memory} ({fmt_bytes(memory)}) is too small for this model: "
                          f"dense weights {fmt_bytes(dense)}, KV cache {fmt_bytes(kv)}, device "
                          f"copies {fmt_bytes(device)} and two cached experts of "
-                         f"{fmt_bytes(master)} need {need} bytes ({fmt_bytes(need)}); raise "
+                         f"{fmt_bytes(master)} need {fmt_bytes(need, exact=True)}; raise "
                          "--memory")
     return MemoryPlan(dense=dense, kv_cache=kv, device_copies=device,
                       host_cache=left // master * master, master_bytes=master,

@@ -20,7 +20,7 @@ import resource
 import torch
 
 from moescale.atomic import atomic_write_json
-from moescale.offload.planner import fmt_bytes
+from moescale.sizes import fmt_bytes
 from moescale.train.metrics import read_metrics
 from moescale.train.report import write_report
 

@@ -56,7 +56,7 @@ import torch
 from moescale.atomic import atomic_write_text
 from moescale.layers.moe import MoE
 from moescale.models import GPT
-from moescale.offload.planner import fmt_bytes
+from moescale.sizes import fmt_bytes
 from moescale.train.assembly import assemble, check_parts
 from moescale.train.checkpoint import list_checkpoints, sweep_temp_files
 from moescale.train.config import ModelSection, RunConfig, to_dict

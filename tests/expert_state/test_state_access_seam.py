@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from moescale.dispatch.protocol import STATE_ACCESS, STREAMED
 from moescale.expert_state import load_expert_shards, save_expert_shards
 from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE
-from moescale.layers.protocol import STATE_ACCESS, STREAMED
 from moescale.models.checkpoint import consolidated_state_dict
 
 D, F, E = 8, 16, 4

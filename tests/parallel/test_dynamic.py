@@ -4,7 +4,8 @@
 re-deals every shard to a random device and cuts experts at random points), top_k 1 and 2,
 capacity, GLU, a rank with no tokens, hot experts that must be split. Every rank checks its
 output, input and router gradients, and the shared store's accumulated expert gradients
-(tests/parallel/dynamic_workers.py). Pure host tests of the row layout run in-process.
+(tests/parallel/dynamic_workers.py). The row layout's host arithmetic is tested in
+tests/dispatch/test_placed_layout.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 from moescale.parallel.launch import run_local
-from moescale.parallel.placement import Placement
 
 from dynamic_workers import build_store, check_dynamic
 
@@ -51,33 +51,6 @@ def test_dynamic_placement_matches_reference(world):
             assert imbalance <= 1.2, (name, imbalance)
         if not case.get("split") and not case.get("random"):
             assert num_split == 0
-
-
-def test_row_layout_covers_every_row_under_a_random_placement():
-    """Host-only: the send/receive splits of all ranks agree and carry every row once."""
-    import random
-
-    import torch
-
-    from moescale.parallel.dynamic import random_placement_hook, row_layout
-
-    rng = random.Random(0)
-    for trial in range(20):
-        W, E = rng.choice([2, 3, 4]), rng.choice([1, 3, 8])
-        counts = [[rng.randrange(0, 5) for _ in range(E)] for _ in range(W)]
-        total = [sum(c[e] for c in counts) for e in range(E)]
-        placement = random_placement_hook(trial, W)(Placement([], [0.0] * W), total)
-        lays = [row_layout(counts, placement, r) for r in range(W)]
-        for r in range(W):
-            assert [lays[s].send_splits[r] for s in range(W)] == lays[r].recv_splits
-            assert sum(lays[r].local_counts_E) == sum(lays[r].recv_splits)
-            perm = lays[r].send_perm_R
-            n = sum(counts[r])
-            if perm is not None:
-                assert sorted(perm.tolist()) == list(range(n))
-            perm = lays[r].expert_perm_S
-            if perm is not None:
-                assert torch.equal(perm.sort().values, torch.arange(perm.numel()))
 
 
 @pytest.mark.timeout(90)

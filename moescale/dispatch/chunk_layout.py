@@ -1,4 +1,4 @@
-"""Chunk layouts of the pipelined all-to-all, and the per-call spec the pipeline Functions read.
+"""Chunk layouts of the pipelined all-to-all: which rows each chunk sends and receives.
 
 Chunks are cut inside every (peer, expert) bin: a bin of n rows is cut into C pieces, piece j
 = rows [n*j//C, n*(j+1)//C), and chunk k takes piece (k + s*L + l) mod C of the bin that source
@@ -8,7 +8,9 @@ piece of every bin: up to S/C + W*L rows). Sender and receiver know n (the count
 (s, l), so both compute the same cuts: no padding, no extra messages, one exchange per chunk and
 direction.
 
-Pure host arithmetic plus a few index tensors; nothing here communicates or computes experts.
+Pure host arithmetic plus a few index tensors (moescale.dispatch.index); nothing here
+communicates or computes experts: the pipelined exchange (moescale.parallel.pipeline) runs
+the chunks, its `PipelineSpec` (moescale.parallel.pipeline_schedule) carries the layouts.
 
 Legend: R rows sent (grouped by global expert), S rows received in one chunk, W ranks of the
 EP group, L experts per rank, C chunks.
@@ -16,13 +18,11 @@ EP group, L experts per rank, C chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from moescale.parallel.expert_parallel import (expert_major_order, inverse_permutation,
-                                               segments_index)
-from moescale.parallel.groups import ParallelGroups
+from moescale.dispatch.index import expert_major_order, inverse_permutation, segments_index
 
 
 def _cut(n: int, k: int, num_chunks: int, rotation: int) -> tuple[int, int]:
@@ -91,25 +91,3 @@ def chunk_layouts(send_WL: list[list[int]], recv_WL: list[list[int]],
             inv_perm=None if perm is None else inverse_permutation(perm),
             local_counts=local_counts))
     return layouts
-
-
-@dataclass
-class PipelineSpec:
-    """Everything the pipeline Functions need besides tensors (host data and groups)."""
-
-    layouts: list[ChunkLayout]
-    groups: ParallelGroups
-    strategy: str
-    num_rows: int                      # R: rows of the plan on this rank
-    grad_scale: float                  # multiplies expert weight gradients
-    block_rows: int | None = None      # rows per expert GEMM block (None: pipeline_block_rows)
-    stats: dict = field(default_factory=dict)   # filled in: buffer bytes, offloaded bytes
-    trace: list | None = None          # if a list: (event, chunk) in issue order (for tests)
-
-    def note(self, event: str, chunk: int) -> None:
-        if self.trace is not None:
-            self.trace.append((event, chunk))
-
-    @property
-    def max_recv(self) -> int:
-        return max((lay.num_recv for lay in self.layouts), default=0)

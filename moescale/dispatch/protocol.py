@@ -36,8 +36,10 @@ choose a fast path by capability, never by probing attributes:
 Containers without CHUNKED are pipelined by `AutogradChunkRunner`: the chunk's rows through
 `forward_rows` under autograd, kept or re-run in backward (activation checkpointing per chunk).
 
-Deliberately not here: the exchanges (moescale.dispatch, moescale.parallel), the residencies
-(moescale.layers.experts, moescale.offload). Nothing here communicates.
+It lives in moescale.dispatch, the seam's room, beside the index math every exchange shares;
+the exchanges that communicate are in moescale.parallel, the residencies in
+moescale.layers.experts, moescale.offload and moescale.shared_store. Nothing here communicates
+or imports the rest of moescale.
 
 Legend: R rows grouped by expert, N rows of one chunk in expert order, T tokens, D model width.
 """
@@ -112,7 +114,7 @@ def capabilities_of(experts) -> frozenset[str]:
         raise ValueError(f"{type(experts).__name__} is not an expert container: it needs "
                          "num_experts, expert_ids, capabilities (a frozenset, possibly empty), "
                          "forward_rows(x_RD, counts_E) and expert_forward(e, x_ND); see "
-                         "moescale.layers.protocol")
+                         "moescale.dispatch.protocol")
     return experts.capabilities
 
 
