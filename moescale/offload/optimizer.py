@@ -1,4 +1,4 @@
-"""Per-expert host AdamW on the ExpertStore, run on one worker thread, with per-expert fences.
+"""Per-expert host AdamW on the ExpertStore, run on worker threads, with per-expert fences.
 
 The math is torch's own AdamW (`torch.optim.adamw.adamw`, the functional form behind
 `torch.optim.AdamW`: single-tensor, foreach or fused CPU kernel), applied to each expert's flat
@@ -9,7 +9,8 @@ are read when a step is submitted, from the config or from a dense optimizer the
 follows (`follow(dense_optimizer)`), so an LR scheduler drives both.
 
 Every host-side task for an expert (gradient accumulation, step) runs on one worker thread in
-submission order. Modes:
+submission order (one worker by default; with several, an expert always uses the same one).
+Modes:
 - `eager` (ES-MoE): when a gradient of the last micro-batch is handed over, the expert's step
   is queued right behind its accumulation and overlaps the rest of backward;
 - `deferred`: backward only accumulates; `step_all()` after backward steps every expert (and

@@ -46,3 +46,39 @@ def test_a_cpu_device_engine_steps_on_a_one_thread_team():
 def test_bad_team_size_refused():
     with pytest.raises(ValueError, match="threads=0 must be >= 1"):
         limit_this_thread(0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "deferred"])
+def test_two_workers_step_as_one(mode):
+    """Two workers (an expert's tasks on one of them, in order; deferred groups per worker)
+    give bitwise the masters, moments and step counts of one worker, over 3 iterations with
+    two accumulations each."""
+    from moescale.offload.optimizer import AdamWConfig, HostOptimizer
+    from moescale.offload.state_format import StateFormat
+    from moescale.offload.store import ExpertLayout, ExpertStore, StoreConfig
+    results = []
+    for workers in (1, 2):
+        store = ExpertStore(StoreConfig(tier="host", state=StateFormat(master="bf16",
+                                                                      moments="int8", seed=3)))
+        gen = torch.Generator().manual_seed(0)
+        store.add_layer(ExpertLayout([("w", (6, 300))]), 5, lambda e: torch.randn(1800,
+                                                                                 generator=gen))
+        opt = HostOptimizer(store, AdamWConfig(lr=1e-2), mode, worker_threads=1,
+                            workers=workers)
+        try:
+            for _ in range(3):
+                for last in (False, True):
+                    for e in range(5):
+                        grad = torch.randn(6, 300, generator=gen)
+                        opt.accumulate((0, e), [grad], last=last)
+                opt.step_all()
+            opt.wait_all()
+            results.append([torch.cat([t.float().reshape(-1) for t in store.get_state((0, e))])
+                            for e in range(5)] + [store.step_of((0, e)) for e in range(5)])
+        finally:
+            opt.close()
+            store.close()
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(*results, strict=True))
+    with pytest.raises(ValueError, match="workers=0 must be >= 1"):
+        HostOptimizer(store, AdamWConfig(), workers=0)
