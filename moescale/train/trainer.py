@@ -324,7 +324,7 @@ class Trainer:
         last_ckpt = None
         first_step = self.step
         try:
-            if self.step == 0 and self.resumed_from is None:
+            if self.step == 0 and self.resumed_from is None and tc.initial_checkpoint:
                 self.save()          # the initial state: trusted until a later one is (trust.py)
             while self.step < last_step and not self.stop_requested:
                 t0 = time.perf_counter()

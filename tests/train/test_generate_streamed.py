@@ -255,3 +255,23 @@ def test_a_killed_generation_leaves_a_store_the_next_one_removes(disk_run):
     with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3)) as run:
         assert [p.name for p in run_dir.glob(".generate-store-*")] == [run.directory.name]
     assert not list(run_dir.glob(".generate-store-*"))
+
+
+def test_a_run_without_its_initial_checkpoint_rewrites_records_in_place(corpus, tmp_path):
+    """`train.initial_checkpoint false` (a run near the disk's size): no step-0 checkpoint, so
+    the first step rewrites each record file in place (one file per expert, no copy beside the
+    initial masters) and the run generates from its only checkpoint."""
+    run_dir = tmp_path / "run"
+    config = tiny_run_config(corpus, run_dir, steps=1, every=1, keep_last=1, **{
+        "offload.tier": "disk", "offload.master": "fp32", "offload.moments": "int8",
+        "offload.step_mode": "eager", "optim.grad_clip": "0",
+        "train.initial_checkpoint": "false"})
+    assert Trainer(config, run_dir, out=open("/dev/null", "w")).run() == 0
+    assert [p.name for p in (run_dir / "checkpoints").glob("ckpt_*")] == \
+        ["ckpt_00000001.safetensors"]
+    files = list((run_dir / "expert-store").rglob("*.bin"))
+    assert len(files) == 8 and all(f.name.endswith(".g0.bin") for f in files)
+    want = moescale.load_run(run_dir)[0].generate(IDX, 10, temperature=0, kv_cache=False)
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
+                            batch=2) as run:
+        assert torch.equal(run.model.generate(IDX, 10, temperature=0), want)
