@@ -27,10 +27,13 @@ experts; ValueError naming the shortfall otherwise). The interpreter and torch t
 master rows, so once loaded the host cache's slots hold masters alone
 (`ExpertStore.set_slot_rows`): it caches (memory left) / (master bytes) experts.
 
-`master_slots(engine)` does the same for a training run's own end-of-run sample: while it
+On a CPU device with fp32 masters the walks compute from the cached master rows in place
+(`DeviceCache.borrow`) instead of copying each into a "device" buffer first.
+
+`generation_mode(engine)` does both for a training run's own end-of-run sample: while it
 generates, the run's `host_cache_bytes` are slots of one master each (an fp32 record's four
 rows made a slot four masters wide: 1 GiB held 13 records, fewer experts than one token of
-moe-s routes to, and 56 masters now), and whole-record slots again after.
+moe-s routes to, and 56 masters now), and as for training again after.
 
 Deliberately not here: the sampling loop and KV cache (GPT.generate), the measurement
 (gen_stats.py), the store and caches themselves (moescale.offload).
@@ -48,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from moescale.devices import SimulatedDevice
 from moescale.layers.moe import MoE
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.planner import fmt_bytes
@@ -221,6 +225,7 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
         model, config, engine = load_run_offloaded(run_dir, step, device, offload)
         plan = state.get("plan")     # generation reads masters: slots of one master each
         engine.store.set_slot_rows(M, plan.host_cache if plan is not None else None)
+        engine.cache.borrow = can_borrow(engine)
     except BaseException:
         if engine is not None:
             engine.close()
@@ -231,20 +236,31 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
     return OpenRun(model, config, kind, engine, state.get("directory"), plan)
 
 
+def can_borrow(engine) -> bool:
+    """Whether generation's walks may use the store's master rows in place (cache.py,
+    Borrowing): a CPU device with no simulated copy rate, fp32 masters computed in fp32
+    (where a copy would be an exact one)."""
+    device = engine.cache.device
+    return isinstance(device, SimulatedDevice) and device.bandwidth_bytes_per_s is None and \
+        engine.store.format.master == "fp32" and engine.cache.dtype == torch.float32
+
+
 @contextlib.contextmanager
-def master_slots(engine):
-    """While generating with a training run's engine (None: resident experts), its disk
+def generation_mode(engine):
+    """While generating with a training run's engine (None: resident experts): its disk
     tier's host slots hold one master row each, not whole records (same bytes, about four
-    times the experts cached); whole records again afterwards."""
-    store = getattr(engine, "store", None)
-    if store is None or store.disk is None:
+    times the experts cached), and walks borrow the masters where `can_borrow`; as for
+    training again afterwards."""
+    if engine is None:
         yield
         return
-    store.set_slot_rows(M)
+    engine.store.set_slot_rows(M)
+    engine.cache.borrow = can_borrow(engine)
     try:
         yield
     finally:
-        store.set_slot_rows(ALL)
+        engine.cache.borrow = False
+        engine.store.set_slot_rows(ALL)
 
 
 class NextLayerPrefetch:

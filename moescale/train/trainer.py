@@ -63,7 +63,7 @@ from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
 from moescale.train.hf_export import end_of_run_export
-from moescale.train.streamed import master_slots
+from moescale.train.streamed import generation_mode
 from moescale.train import model as run_model
 from moescale.train import saving
 from moescale.train.limits import (check_budget, check_memory, check_run_dir, check_threads,
@@ -391,7 +391,7 @@ class Trainer:
         idx_1S = torch.tensor([ids], dtype=torch.int64, device=self.device)
         engine = getattr(self.parts.residency, "engine", None)
         self.sample_meter = GenerationMeter(self.model, engine)
-        with self._autocast(), master_slots(engine):   # the host cache holds masters alone
+        with self._autocast(), generation_mode(engine):   # the host cache holds masters
             out = self.model.generate(idx_1S, n, temperature=temperature, top_k=40,
                                       generator=gen, on_token=self.sample_meter.on_token
                                       )[0].tolist()

@@ -275,3 +275,24 @@ def test_a_run_without_its_initial_checkpoint_rewrites_records_in_place(corpus, 
     with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
                             batch=2) as run:
         assert torch.equal(run.model.generate(IDX, 10, temperature=0), want)
+
+
+def test_walks_compute_from_the_cached_masters_in_place(disk_run):
+    """On a CPU device with fp32 masters nothing is copied per expert (DeviceCache.borrow):
+    the same logits as with the copies, and every borrowed slot is given back."""
+    run_dir, want = disk_run
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
+                            batch=2) as run:
+        cache, device = run.engine.cache, run.engine.cache.device
+        assert cache.borrow
+        before = device.bytes_uploaded
+        with torch.no_grad():
+            borrowed = run.model(IDX)[0]
+            assert device.bytes_uploaded == before
+            assert all(e.pins == 0 for e in run.engine.store.disk._cache.values())
+            cache.borrow = False
+            copied = run.model(IDX)[0]
+            assert device.bytes_uploaded > before
+        assert torch.equal(borrowed, copied)
+        cache.borrow = True
+        assert torch.equal(run.model.generate(IDX, 40, temperature=0), want)
