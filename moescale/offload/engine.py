@@ -67,7 +67,7 @@ class OffloadEngine:
             tier=config.store_tier, directory=config.directory,
             host_cache_bytes=config.host_cache_bytes, pin_memory=cuda,
             shared_memory=config.shared_memory, io_threads=config.io_threads,
-            state=config.state))
+            state=config.state, reserve_disk=config.reserve_disk))
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
                                        config.step_mode)
         self.device = None

@@ -82,7 +82,7 @@ class ExpertStore:
         """Check once, before any file is written, that the disk tier's directory has room
         for `total_bytes` of expert files (the sum over every layer to come)."""
         if self.config.tier == "disk":
-            check_directory(self.config.directory, total_bytes)
+            check_directory(self.config.directory, total_bytes * self.config.reserve_disk)
             self._disk_need = max(self._disk_need, total_bytes)
 
     def add_layer(self, layout: ExpertLayout, num_experts: int,
@@ -152,7 +152,8 @@ class ExpertStore:
         written = sum(self.disk.geometries[lay].offsets[POS_GRAD] * n
                       for lay, n in enumerate(self.num_experts))
         need = written + geo.offsets[POS_GRAD] * num_experts
-        check_directory(self.config.directory, max(0, max(need, self._disk_need) - written))
+        check_directory(self.config.directory, self.config.reserve_disk * max(0, max(
+            need, self._disk_need) - written))
         self._disk_need = max(self._disk_need, need)
         if self._dir_lock is None:     # this store owns the directory while it is open
             self._dir_lock = claim_directory(
@@ -404,10 +405,9 @@ class ExpertStore:
             self.disk.flush(drop=True)
 
     def set_slot_rows(self, rows: int, host_cache_bytes: int | None = None) -> None:
-        """Size the disk tier's host slots for a record's leading rows `rows` (M: generation
-        reads masters alone, so the same bytes cache ~4x the fp32 experts; ALL: whole records)
-        within `host_cache_bytes` (default: as now), after writing back and dropping what is
-        cached; other rows are then refused (ValueError). No-op on the host tier."""
+        """Size the disk tier's host slots for a record's leading rows `rows` (M: masters, all
+        generation reads: ~4x the fp32 experts in the same bytes) in `host_cache_bytes` (default:
+        as now), after a write-back and drop; other rows are then refused (ValueError)."""
         disk = self.disk
         if disk is None:
             return

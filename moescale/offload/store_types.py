@@ -65,6 +65,7 @@ class StoreConfig:
     io_threads: int = 4
     direct_io: bool = True    # False: buffered I/O + posix_fadvise(DONTNEED) (as on tmpfs)
     state: StateFormat = StateFormat()   # master and moment formats of the records
+    reserve_disk: bool = True  # check free space for every record file (False: none written)
 
     def __post_init__(self) -> None:
         if not self.state.exact and self.shared_memory:

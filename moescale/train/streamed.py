@@ -216,7 +216,7 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
                 changes["host_cache_bytes"] = max(plan.host_cache, 2 * plan.record_bytes)
         oc = OffloadConfig(tier=kind, directory=directory, device=device.type,
                            device_budget_experts=DEVICE_EXPERTS, compute_dtype="float32",
-                           **changes)
+                           reserve_disk=False, **changes)   # its records are adopted
         # masters are left zero (not written on disk): the checkpoint's shards fill them
         return offload_moe(model, oc, expert_init=lambda layer, e, layout: None)
 
