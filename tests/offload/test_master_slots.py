@@ -2,7 +2,8 @@
 generation uses), on real files: the same bytes cache four times the fp32 experts and serve
 them without a read; what was dirty is written back before the slots change; other rows are
 refused while they last and whole records work again after; too few slots are refused; of the
-cached experts no schedule names, the least recently used is evicted first."""
+cached experts no schedule names, the least recently used is evicted first; a store that writes
+nothing (`reserve_disk=False`) makes sparse files past the free disk."""
 
 import pytest
 import torch
@@ -83,3 +84,24 @@ def test_the_least_recently_used_unscheduled_expert_is_evicted_first(tmp_path):
     assert read_all(store, [4]) == ROW                    # evicts 1, the least recent
     assert read_all(store, [0, 2]) == 0 and read_all(store, [1]) == ROW
     store.close()
+
+
+def test_a_store_that_writes_nothing_skips_the_free_space_check(tmp_path):
+    """reserve_disk=False (generation's store, whose files a checkpoint's replace by hard link):
+    sparse files larger than the free disk are made; the default refuses them up front."""
+    import shutil
+
+    big = ExpertLayout([("w", (1 << 10, 1 << 12))])       # 16 MiB rows, 48 MiB that persist
+    experts = 2 * shutil.disk_usage(tmp_path).free // (48 << 20)   # twice the free disk
+    for reserve in (True, False):
+        directory = tmp_path / str(reserve)
+        directory.mkdir()
+        store = ExpertStore(StoreConfig(tier="disk", directory=str(directory),
+                                        host_cache_bytes=1 << 50, reserve_disk=reserve))
+        if reserve:
+            with pytest.raises(OSError, match="the disk tier needs"):
+                store.add_layer(big, experts, lambda e: None)
+        else:
+            store.add_layer(big, experts, lambda e: None)     # no slot is made before an access
+            assert sum(f.stat().st_blocks for f in directory.rglob("*.bin")) == 0
+        store.close()
