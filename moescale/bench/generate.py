@@ -92,6 +92,7 @@ def _random_model(args, memory: int, directory: str):
     from moescale.layers.moe import MoE
     from moescale.models import GPT, gpt_config
     from moescale.offload import OffloadConfig, offload_moe
+    from moescale.offload.records import M
     from moescale.train.streamed import DEVICE_EXPERTS, memory_plan
 
     overrides = {k: v for k, v in (("num_experts", args.experts), ("top_k", args.top_k),
@@ -106,8 +107,9 @@ def _random_model(args, memory: int, directory: str):
     plan = memory_plan(model, memory, batch=1)
     engine = offload_moe(model, OffloadConfig(
         tier="disk", directory=directory, device="cpu", device_budget_experts=DEVICE_EXPERTS,
-        host_cache_bytes=plan.cached_experts * plan.record_bytes),
+        host_cache_bytes=max(plan.host_cache, 2 * plan.record_bytes)),
         expert_init=model.expert_init)
+    engine.store.set_slot_rows(M, plan.host_cache)      # generation reads masters alone
     return model.eval(), engine, plan
 
 

@@ -30,6 +30,12 @@ re-uploaded when the optimizer has stepped its master (its version moved on).
 Every upload waits on the host optimizer's step fence for that expert first, on the copy
 thread: the device never reads a master whose step is still running.
 
+Borrowing (`borrow = True`, set by generation on a CPU device when the store's masters are
+fp32 and so is compute): a walk's "copy" is the store's master row itself (a disk-tier slot
+or the host tier's row), acquired when compute first needs it (the disk tier's read-ahead has
+started its read already) and released when the walk moves on, instead of copied within RAM.
+Only for walks whose experts nothing steps meanwhile (no_grad generation).
+
 Waiting is measured where it happens: from the moment compute needs the next expert of a walk
 (the walk starts, or the caller comes back for the next one) until its copy is usable, on the
 device's stall clock (devices.py: the caller's thread on the simulated device, the compute
@@ -69,6 +75,29 @@ class _Entry:
             (self.tensor_P,) = self.transfer.wait()
         return self.tensor_P
 
+    def free(self) -> None:
+        """Drop the copy (give a borrowed master back to the store) and its reservation."""
+        self.tensor_P = None
+        if isinstance(self.transfer, _Borrow):
+            self.transfer.give_back()
+        self.reservation.release()
+
+
+class _Borrow:
+    """A transfer whose result is the store's master row itself (see Borrowing above)."""
+
+    def __init__(self, prepare) -> None:
+        self.prepare, self.done = prepare, None
+
+    def wait(self) -> list[torch.Tensor]:
+        tensors, self.done = self.prepare()
+        return tensors
+
+    def give_back(self) -> None:
+        if self.done is not None:
+            self.done()
+            self.done = None
+
 
 def _next_uses(keys: list) -> list[float]:
     """For each position of keys, the next position holding the same key (inf if none)."""
@@ -97,6 +126,7 @@ class DeviceCache:
         self.num_lookahead = 0
         self.num_reused = 0       # walk positions served by a retained copy (no upload)
         self.retain = True        # False: every copy freed when the caller moves on (tests)
+        self.borrow = False       # walks use the store's master rows in place (see above)
         self._walk_reads: dict[int, float] = {}   # per thread: its store reads inside walks
         self._taken = 0.0         # wait_seconds at the last take_wait_s()
 
@@ -122,7 +152,7 @@ class DeviceCache:
 
     # ----------------------------------------------------------------- uploads
     def _start(self, key: Key, block: bool, headroom: int = 0,
-               whole_record: bool = False) -> _Entry | None:
+               whole_record: bool = False, borrow: bool = False) -> _Entry | None:
         """Reserve and start an upload of key; None when it (plus headroom bytes) does not
         fit and block=False. whole_record: load the store's whole record (its gradient is
         about to be accumulated), not just the master row."""
@@ -142,7 +172,8 @@ class DeviceCache:
             return [master_P], done
 
         self.num_uploads += 1
-        transfer = self.device.upload_from(prepare, self.dtype)
+        transfer = _Borrow(prepare) if borrow and not whole_record else \
+            self.device.upload_from(prepare, self.dtype)
         return _Entry(key, reservation, transfer, version_box)
 
     def _current(self, entry: _Entry) -> bool:
@@ -189,9 +220,7 @@ class DeviceCache:
         nxt = 0
 
         def drop(key: Key) -> None:
-            entry = kept.pop(key)[1]
-            entry.tensor_P = None
-            entry.reservation.release()
+            kept.pop(key)[1].free()
 
         def room(nbytes: int, before: float, now: bool) -> bool:
             """Drop retained copies, the one used last first and none used at `before` or
@@ -236,7 +265,7 @@ class DeviceCache:
                             drop(k)
                     entry = self._start(key, block=not pending,
                                         headroom=headroom if pending else 0,
-                                        whole_record=whole_record)
+                                        whole_record=whole_record, borrow=self.borrow)
                     if entry is None:
                         return
                 if pending:
@@ -266,8 +295,7 @@ class DeviceCache:
                     elif later[pos] < math.inf and self.retain:
                         kept[keys[pos]] = (later[pos], entry)   # used again: retain
                     else:
-                        entry.tensor_P = None
-                        entry.reservation.release()
+                        entry.free()
                 del weights_P
                 stall, read0 = device.stall_begin(), reads()   # the caller's compute is queued
                 issue()
@@ -276,7 +304,7 @@ class DeviceCache:
                 drop(key)
             for _, entry in pending:    # a walk closed early: its look-ahead copies
                 if not entry.pinned:
-                    entry.reservation.release()
+                    entry.free()
 
     # ----------------------------------------------------------------- hot experts
     def observe(self, layer: int, counts) -> None:

@@ -62,6 +62,9 @@ class OffloadConfig:
     io_threads: int = 4                 # disk tier: concurrent record reads and writes
     verify_reads: bool = True           # disk tier: check every record read against the
                                         # checksums of its write (off: saves the hashing CPU)
+    reserve_disk: bool = True           # disk tier: check at set-up that the disk holds every
+                                        # record file (false: a store that adopts a checkpoint's
+                                        # files and writes none, as generation's)
     optimizer: AdamWConfig | None = None   # the experts' AdamW (None: AdamW's defaults)
     tokens_per_micro_batch: int | None = None   # tier auto: the planner's batch size in tokens
     host_budget_bytes: Size | None = None   # tier auto: host bytes the planner may use (unset:

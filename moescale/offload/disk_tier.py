@@ -46,7 +46,7 @@ import torch
 
 from moescale.offload.direct_io import DirectIO, SlotPool, align_up, gather
 from moescale.offload.record_files import write_layer_files
-from moescale.offload.records import POS_GRAD, STATE, G, rows_of
+from moescale.offload.records import ALL, POS_GRAD, STATE, G, rows_of
 from moescale.offload.schedule import AccessSchedule
 from moescale.offload.state_format import RecordGeometry, StateFormat
 
@@ -82,6 +82,7 @@ class DiskTier:
         self.pin_memory, self.max_reads, self.max_writes = pin_memory, max_reads, max_writes
         self.numels: list[int] = []               # P per layer
         self.pool: SlotPool | None = None         # made at the first access (all layers known)
+        self.slot_rows = ALL     # the leading rows a slot has room for (store.set_slot_rows)
         self._cache: dict[Key, _Entry] = {}
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -139,7 +140,8 @@ class DiskTier:
     def _ensure_pool(self) -> None:
         if self.pool is not None:
             return
-        slot_bytes = max(self.record_bytes(layer) for layer in range(len(self.numels)))
+        top = max(rows_of(self.slot_rows)) + 1
+        slot_bytes = max(geo.offsets[top] for geo in self.geometries)
         num = self.host_cache_bytes // slot_bytes
         assert num >= 2, "the store checks that the host cache holds two records"
         self.pool = SlotPool(num, slot_bytes, pin=self.pin_memory)
@@ -179,6 +181,8 @@ class DiskTier:
         self._ensure_pool()
         with self._lock:
             self.schedule.consume(key)
+            if key in self._cache:      # recency order: of the entries no schedule names, the
+                self._cache[key] = self._cache.pop(key)     # least recently used goes first
             while True:
                 entry = self._cache.get(key)
                 if entry is None:
@@ -225,6 +229,7 @@ class DiskTier:
 
     def _start_read(self, entry: _Entry, rows: int) -> bool:
         """Start reading the rows of `rows` the entry lacks (lock held); False if none."""
+        assert not rows & ~self.slot_rows, f"rows {rows:#x}; slots hold {self.slot_rows:#x}"
         missing = rows & ~entry.valid
         if missing & G and entry.key not in self.grad_on_disk:
             self.row_view(entry, POS_GRAD).zero_()     # a zero accumulator is never read

@@ -68,7 +68,8 @@ class OffloadEngine:
             tier=config.store_tier, directory=config.directory,
             host_cache_bytes=config.host_cache_bytes, pin_memory=cuda,
             shared_memory=config.shared_memory, io_threads=config.io_threads,
-            state=config.state, verify_reads=config.verify_reads))
+            state=config.state, verify_reads=config.verify_reads,
+            reserve_disk=config.reserve_disk))
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
                                        config.step_mode,
                                        # eager on a CPU device: the steps run beside backward's

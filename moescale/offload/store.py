@@ -94,7 +94,7 @@ class ExpertStore:
         """Check once, before any file is written, that the disk tier's directory has room
         for `total_bytes` of expert files (the sum over every layer to come)."""
         if self.config.tier == "disk":
-            check_directory(self.config.directory, total_bytes)
+            check_directory(self.config.directory, total_bytes * self.config.reserve_disk)
             self._disk_need = max(self._disk_need, total_bytes)
 
     def add_layer(self, layout: ExpertLayout, num_experts: int,
@@ -166,7 +166,8 @@ class ExpertStore:
         written = sum(self.disk.geometries[lay].offsets[POS_GRAD] * n
                       for lay, n in enumerate(self.num_experts))
         need = written + geo.offsets[POS_GRAD] * num_experts
-        check_directory(self.config.directory, max(0, max(need, self._disk_need) - written))
+        check_directory(self.config.directory, self.config.reserve_disk * max(0, max(
+            need, self._disk_need) - written))
         self._disk_need = max(self._disk_need, need)
         if self._dir_lock is None:     # this store owns the directory while it is open
             self._dir_lock = claim_directory(
@@ -282,6 +283,7 @@ class ExpertStore:
             data_4P = self._host[layer][e]
             return ExpertRecord(key, data_4P.unbind(0), self._steps[key], data_4P)
         self._ensure_disk_cache()
+        self._check_rows(rows)
         start = time.perf_counter()
         entry = self.disk.acquire(key, rows)
         self._waits.seconds = self.thread_read_wait_s() + time.perf_counter() - start
@@ -310,6 +312,11 @@ class ExpertStore:
         iteration's steps, so that between iterations the host holds only the format's bytes)."""
         with self._lock:
             self._spare_grads.clear()
+
+    def _check_rows(self, rows: int) -> None:
+        if rows & ~self.disk.slot_rows:
+            raise ValueError(f"an access of rows {rows:#x}, but the host slots hold rows "
+                             f"{self.disk.slot_rows:#x} only (set_slot_rows(records.ALL) first)")
 
     def thread_read_wait_s(self) -> float:
         """Seconds the calling thread has spent in disk-tier acquires (waiting for a cache slot
@@ -407,6 +414,8 @@ class ExpertStore:
         if self.config.tier != "disk":
             return
         self._ensure_disk_cache()
+        for _, rows in accesses:
+            self._check_rows(rows)
         kept = [a for a in self.disk.pending_accesses() if keep(a[0])] \
             if keep is not None else []
         self.disk.set_upcoming(kept + list(accesses))
@@ -426,6 +435,25 @@ class ExpertStore:
         """Write back and drop every unpinned cached record (frees the host cache)."""
         if self.disk is not None:
             self.disk.flush(drop=True)
+
+    def set_slot_rows(self, rows: int, host_cache_bytes: int | None = None) -> None:
+        """Size the disk tier's host slots for a record's leading rows `rows` (M: masters, all
+        generation reads: ~4x the fp32 experts in the same bytes) in `host_cache_bytes` (default:
+        as now), after a write-back and drop; other rows are then refused (ValueError)."""
+        disk = self.disk
+        if disk is None:
+            return
+        assert rows in (records.M, STATE, ALL), f"rows={rows:#x}: M, STATE or ALL"
+        self.set_upcoming([])      # forget the old schedule (and size a default cache)
+        cache = disk.host_cache_bytes if host_cache_bytes is None else host_cache_bytes
+        slot = max(geo.offsets[max(records.rows_of(rows)) + 1] for geo in disk.geometries)
+        if cache < 2 * slot:
+            raise ValueError(f"host_cache_bytes={cache} holds fewer than two slots of {slot} "
+                             f"bytes; raise it to at least {2 * slot}")
+        disk.flush(drop=True)
+        assert not disk.cache_bytes(), "set_slot_rows while expert records are acquired"
+        disk.pool.close()
+        disk.pool, disk.slot_rows, disk.host_cache_bytes = None, rows, cache
 
     def cache_bytes(self) -> int:
         return 0 if self.disk is None else self.disk.cache_bytes()

@@ -67,6 +67,7 @@ class StoreConfig:
     direct_io: bool = True    # False: buffered I/O + posix_fadvise(DONTNEED) (as on tmpfs)
     verify_reads: bool = True   # disk tier: check every read against the sums of its write
     state: StateFormat = StateFormat()   # master and moment formats of the records
+    reserve_disk: bool = True  # check free space for every record file (False: none written)
 
     def __post_init__(self) -> None:
         if not self.state.exact and self.shared_memory:

@@ -219,6 +219,10 @@ class TrainSection:
     eval_batches: int = 8        # validation batches per validation loss (the same each time)
     checkpoint_interval: int = 250   # steps between checkpoints (0: only at the end)
     keep_last: int = 2           # checkpoints kept
+    initial_checkpoint: bool = True  # save the initial state as step 0 (a safety net; false:
+                                 # a disk-tier run's first steps do not rewrite its records
+                                 # beside the initial masters: fp32 + int8 needs 6 bytes per
+                                 # expert parameter of disk, not 10)
     seed: int = 1234             # seeds the model init, the batches and sampling
     precision: str = "fp32"      # fp32 | bf16 (autocast; the weights stay fp32)
     device: str = "auto"         # auto (cuda when present, else cpu) | cpu | cuda | cuda:N

@@ -23,10 +23,17 @@ the dense weights (fp32), the KV cache of `batch` sequences, three experts' devi
 (double-buffered uploads) and the disk tier's host cache, which gets the rest (at least two
 experts; ValueError naming the shortfall otherwise). The interpreter and torch themselves
 (~0.3-0.5 GiB of RSS) come on top; what loading freed is handed back to the kernel first
-(`release_freed_memory`: glibc keeps freed heap memory otherwise). The host cache's slots are sized for whole records (master,
-moments, gradient) but generation only ever reads the master row into them, so a slot's
-resident memory is one master: the cache holds (memory left) / (master bytes) experts. (On
-CUDA the slots are page-locked as a whole; count four times that there.)
+(`release_freed_memory`: glibc keeps freed heap memory otherwise). Generation reads only
+master rows, so once loaded the host cache's slots hold masters alone
+(`ExpertStore.set_slot_rows`): it caches (memory left) / (master bytes) experts.
+
+On a CPU device with fp32 masters the walks compute from the cached master rows in place
+(`DeviceCache.borrow`) instead of copying each into a "device" buffer first.
+
+`generation_mode(engine)` does both for a training run's own end-of-run sample: while it
+generates, the run's `host_cache_bytes` are slots of one master each (an fp32 record's four
+rows made a slot four masters wide: 1 GiB held 13 records, fewer experts than one token of
+moe-s routes to, and 56 masters now), and as for training again after.
 
 Deliberately not here: the sampling loop and KV cache (GPT.generate), the measurement
 (gen_stats.py), the store and caches themselves (moescale.offload).
@@ -34,6 +41,7 @@ Deliberately not here: the sampling loop and KV cache (GPT.generate), the measur
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -43,12 +51,13 @@ from pathlib import Path
 
 import torch
 
+from moescale.devices import SimulatedDevice
 from moescale.layers.moe import MoE
 from moescale.offload import OffloadConfig, offload_moe
-from moescale.sizes import fmt_bytes
-from moescale.offload.records import POS_MASTER, M
+from moescale.offload.records import ALL, POS_MASTER, M
 from moescale.offload.state_format import RecordGeometry, StateFormat
 from moescale.shared_store.node_store import owner_alive
+from moescale.sizes import fmt_bytes
 from moescale.train.load_run import load_run_offloaded, run_config
 
 EXPERTS = ("auto", "resident", "host", "disk")
@@ -203,22 +212,55 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
                                      f"({err.strerror}); the disk tier needs a writable run "
                                      "directory (its checkpoint's records are linked there)")
             directory = str(state["directory"])
-            if plan is not None:     # slots hold whole records; generation touches masters
-                changes["host_cache_bytes"] = plan.cached_experts * plan.record_bytes
+            if plan is not None:     # whole-record slots while loading, master slots after
+                changes["host_cache_bytes"] = max(plan.host_cache, 2 * plan.record_bytes)
         oc = OffloadConfig(tier=kind, directory=directory, device=device.type,
                            device_budget_experts=DEVICE_EXPERTS, compute_dtype="float32",
-                           **changes)
+                           reserve_disk=False, **changes)   # its records are adopted
         # masters are left zero (not written on disk): the checkpoint's shards fill them
         return offload_moe(model, oc, expert_init=lambda layer, e, layout: None)
 
+    plan, engine = None, None
     try:
         model, config, engine = load_run_offloaded(run_dir, step, device, offload)
+        plan = state.get("plan")     # generation reads masters: slots of one master each
+        engine.store.set_slot_rows(M, plan.host_cache if plan is not None else None)
+        engine.cache.borrow = can_borrow(engine)
     except BaseException:
+        if engine is not None:
+            engine.close()
         if state.get("directory") is not None:
             shutil.rmtree(state["directory"], ignore_errors=True)
         raise
     release_freed_memory()
-    return OpenRun(model, config, kind, engine, state.get("directory"), state.get("plan"))
+    return OpenRun(model, config, kind, engine, state.get("directory"), plan)
+
+
+def can_borrow(engine) -> bool:
+    """Whether generation's walks may use the store's master rows in place (cache.py,
+    Borrowing): a CPU device with no simulated copy rate, fp32 masters computed in fp32
+    (where a copy would be an exact one)."""
+    device = engine.cache.device
+    return isinstance(device, SimulatedDevice) and device.bandwidth_bytes_per_s is None and \
+        engine.store.format.master == "fp32" and engine.cache.dtype == torch.float32
+
+
+@contextlib.contextmanager
+def generation_mode(engine):
+    """While generating with a training run's engine (None: resident experts): its disk
+    tier's host slots hold one master row each, not whole records (same bytes, about four
+    times the experts cached), and walks borrow the masters where `can_borrow`; as for
+    training again afterwards."""
+    if engine is None:
+        yield
+        return
+    engine.store.set_slot_rows(M)
+    engine.cache.borrow = can_borrow(engine)
+    try:
+        yield
+    finally:
+        engine.cache.borrow = False
+        engine.store.set_slot_rows(ALL)
 
 
 class NextLayerPrefetch:

@@ -63,6 +63,7 @@ from moescale.train.config import ModelSection, RunConfig, to_dict
 from moescale.train.data import TokenBatches, load_data
 from moescale.train.guard import StepGuard, TrainingDiverged, dense_grad_norm
 from moescale.train.hf_export import end_of_run_export
+from moescale.train.streamed import generation_mode
 from moescale.train import model as run_model
 from moescale.train import saving
 from moescale.train.limits import (check_budget, check_memory, check_run_dir, check_threads,
@@ -323,7 +324,7 @@ class Trainer:
         last_ckpt = None
         first_step = self.step
         try:
-            if self.step == 0 and self.resumed_from is None:
+            if self.step == 0 and self.resumed_from is None and tc.initial_checkpoint:
                 self.save()          # the initial state: trusted until a later one is (trust.py)
             while self.step < last_step and not self.stop_requested:
                 t0 = time.perf_counter()
@@ -388,9 +389,9 @@ class Trainer:
         tok = self.data.tokenizer       # None: a .bin of ids with no tokenizer to decode them
         ids = (tok.encode(prompt) if tok else []) or [int(self.data.val[0])]
         idx_1S = torch.tensor([ids], dtype=torch.int64, device=self.device)
-        self.sample_meter = GenerationMeter(self.model, getattr(self.parts.residency, "engine",
-                                                                None))
-        with self._autocast():
+        engine = getattr(self.parts.residency, "engine", None)
+        self.sample_meter = GenerationMeter(self.model, engine)
+        with self._autocast(), generation_mode(engine):   # the host cache holds masters
             out = self.model.generate(idx_1S, n, temperature=temperature, top_k=40,
                                       generator=gen, on_token=self.sample_meter.on_token
                                       )[0].tolist()

@@ -6,7 +6,8 @@ on close) and, within a `memory` bound, reads per token only the routed experts 
 lacks (every expert at most once when the cache holds them all); a too-small bound is refused
 naming the need; the command prints the continuation on stdout and the per-phase figures on
 stderr, batches several prompts (each the continuation it gets alone), and the end-of-run
-sample's figures are in summary.json; `moescale bench generate --run` streams the run; next-layer
+sample (its training cache's slots holding masters alone: every expert read once; the resident
+model's tokens) has its figures in summary.json; `moescale bench generate --run` streams the run; next-layer
 prefetch changes what is read, not the tokens; a corrupt master row in the newest checkpoint
 streams the previous one (its store directory removed), a corrupt moment row does not matter
 (generation reads and verifies masters only); the store a kill -9 left behind is removed
@@ -37,7 +38,8 @@ def disk_run(corpus, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gen") / "run"
     config = tiny_run_config(corpus, run_dir, steps=2, every=2, keep_last=1, **{
         "model.glu": "true", "model.activation": "silu", "offload.tier": "disk",
-        "offload.step_mode": "eager", "optim.grad_clip": "0", "train.sample_tokens": "20"})
+        "offload.step_mode": "eager", "optim.grad_clip": "0", "train.sample_tokens": "20",
+        "offload.host_cache_bytes": "192KiB"})     # two whole records, eight masters
     assert Trainer(config, run_dir, out=open("/dev/null", "w")).run() == 0
     model, _ = moescale.load_run(run_dir)
     return run_dir, model.generate(IDX, 40, temperature=0, kv_cache=False)
@@ -148,12 +150,19 @@ def test_the_command_streams_batches_and_reports(disk_run, capsys):
     assert out == f"[0]\n{texts[0]}\n[1]\n{alone}[2]\n{texts[1]}\n"
 
 
-def test_the_end_of_run_sample_reports_its_figures(disk_run):
+def test_the_end_of_run_sample_caches_masters_and_reports_its_figures(disk_run):
     run_dir, _ = disk_run
-    stats = json.loads((run_dir / "summary.json").read_text())["sample_stats"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stats = summary["sample_stats"]
     assert stats["prefill"]["forwards"] == 1 and stats["decode"]["tokens"] == 19
-    assert stats["decode"]["hit_rate"] is not None and stats["master_bytes"] > 0
-    assert stats["decode"]["peak_rss"] > 0
+    assert stats["master_bytes"] > 0 and stats["decode"]["peak_rss"] > 0
+    # training's two record slots hold all eight masters while it samples: each is read once
+    assert stats["prefill"]["expert_reads"] + stats["decode"]["expert_reads"] <= 8
+    assert stats["decode"]["hit_rate"] > 0.85
+    model, config = moescale.load_run(run_dir)      # the resident model samples the same
+    out = model.generate(torch.tensor([list(b"def ")]), 20, temperature=0.8, top_k=40,
+                         generator=torch.Generator().manual_seed(config.train.seed))
+    assert summary["sample"] == bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
 @pytest.mark.slow
@@ -246,3 +255,44 @@ def test_a_killed_generation_leaves_a_store_the_next_one_removes(disk_run):
     with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3)) as run:
         assert [p.name for p in run_dir.glob(".generate-store-*")] == [run.directory.name]
     assert not list(run_dir.glob(".generate-store-*"))
+
+
+def test_a_run_without_its_initial_checkpoint_rewrites_records_in_place(corpus, tmp_path):
+    """`train.initial_checkpoint false` (a run near the disk's size): no step-0 checkpoint, so
+    the first step rewrites each record file in place (one file per expert, no copy beside the
+    initial masters) and the run generates from its only checkpoint."""
+    run_dir = tmp_path / "run"
+    config = tiny_run_config(corpus, run_dir, steps=1, every=1, keep_last=1, **{
+        "offload.tier": "disk", "offload.master": "fp32", "offload.moments": "int8",
+        "offload.step_mode": "eager", "optim.grad_clip": "0",
+        "train.initial_checkpoint": "false"})
+    assert Trainer(config, run_dir, out=open("/dev/null", "w")).run() == 0
+    assert [p.name for p in (run_dir / "checkpoints").glob("ckpt_*")] == \
+        ["ckpt_00000001.safetensors"]
+    files = list((run_dir / "expert-store").rglob("*.bin"))
+    assert len(files) == 8 and all(f.name.endswith(".g0.bin") for f in files)
+    want = moescale.load_run(run_dir)[0].generate(IDX, 10, temperature=0, kv_cache=False)
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
+                            batch=2) as run:
+        assert torch.equal(run.model.generate(IDX, 10, temperature=0), want)
+
+
+def test_walks_compute_from_the_cached_masters_in_place(disk_run):
+    """On a CPU device with fp32 masters nothing is copied per expert (DeviceCache.borrow):
+    the same logits as with the copies, and every borrowed slot is given back."""
+    run_dir, want = disk_run
+    with _quiet(), open_run(run_dir, experts="disk", memory=memory_for(run_dir, 3, 2),
+                            batch=2) as run:
+        cache, device = run.engine.cache, run.engine.cache.device
+        assert cache.borrow
+        before = device.bytes_uploaded
+        with torch.no_grad():
+            borrowed = run.model(IDX)[0]
+            assert device.bytes_uploaded == before
+            assert all(e.pins == 0 for e in run.engine.store.disk._cache.values())
+            cache.borrow = False
+            copied = run.model(IDX)[0]
+            assert device.bytes_uploaded > before
+        assert torch.equal(borrowed, copied)
+        cache.borrow = True
+        assert torch.equal(run.model.generate(IDX, 40, temperature=0), want)
