@@ -11,7 +11,9 @@ model's tokens) has its figures in summary.json; `moescale bench generate --run`
 prefetch changes what is read, not the tokens; a corrupt master row in the newest checkpoint
 streams the previous one (its store directory removed), a corrupt moment row does not matter
 (generation reads and verifies masters only); the store a kill -9 left behind is removed
-by the next load (a live one is kept)."""
+by the next load (a live one is kept); experts compute from the cached masters in place (the
+copies' logits, nothing uploaded); a run without its initial checkpoint rewrites its records in
+place and generates from its only checkpoint."""
 
 from __future__ import annotations
 
