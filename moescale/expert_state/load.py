@@ -35,6 +35,7 @@ from moescale.expert_state.index import (TENSOR_FILE, ShardCheckpointError, chec
                                          file_path, layout_of, read_index, tensor_name)
 from moescale.expert_state.save import selected
 from moescale.expert_state.tensorfile import TensorFile
+from moescale.offload import disk_links
 from moescale.offload.direct_io import DirectIO, SlotPool, align_up, chunk_sums
 from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER
 from moescale.offload.state_format import RecordGeometry, StateCodec, format_of
@@ -267,8 +268,8 @@ def load_expert_shards(model, directory: str, manifests, *, optimizer=None, engi
             store.drop_cache()       # adopted keys must not be cached
         for job in adopt:
             access, key = job.layer.access, (job.layer.access.layer, job.l)
-            access.store.disk.adopt(key, job.path, {int(p): c for p, c in
-                                                    job.info["sums"].items()}, grad=False)
+            disk_links.adopt(access.store.disk, key, job.path,
+                             {int(p): c for p, c in job.info["sums"].items()}, grad=False)
             access.store.set_step(key, float(job.info["step"]))
             access.store.bump_version(key)
         adopted = {id(j) for j in adopt}

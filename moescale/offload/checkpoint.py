@@ -57,6 +57,7 @@ import warnings
 import torch
 
 from moescale.atomic import atomic_write_text, publish_dir
+from moescale.offload import disk_links
 from moescale.offload.direct_io import (CHUNK_BYTES, CorruptReadError, DirectIO, SlotPool,
                                        align_up, chunk_sums)
 from moescale.offload.records import (POS_EXP_AVG, POS_EXP_AVG_SQ, POS_GRAD, POS_MASTER, STATE,
@@ -158,7 +159,7 @@ def link_disk_store(store: ExpertStore, dest_of) -> dict:
                     raise
         copies.append((path, dest, key))   # another filesystem: copied below, unlocked
 
-    snap = store.disk.snapshot(link)
+    snap = disk_links.snapshot(store.disk, link)
     if copies:
         chunk = store.disk.io.chunk_bytes
         buf = SlotPool(1, max(store.disk.record_bytes(k[0]) for _, _, k in copies))
@@ -289,7 +290,8 @@ def load_store(store: ExpertStore, directory: str, first_expert: int = 0,
         store.disk.flush(drop=True)
         for key in keys:
             info = infos[key]
-            store.disk.adopt(key, _record_path(src, (key[0], first_expert + key[1])),
+            disk_links.adopt(store.disk, key,
+                             _record_path(src, (key[0], first_expert + key[1])),
                              {int(p): c for p, c in info["sums"].items()}, info["grad"])
             _set_step(store, key, info["step"])
     else:

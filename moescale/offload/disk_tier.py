@@ -15,10 +15,11 @@ target (Belady's rule), and writes back dirty entries that are not needed again 
 on coordinator threads; the lock is never held across I/O.
 
 Files are versioned (`expert00001.g{n}.bin`): a checkpoint hard-links the current files
-(`snapshot`), after which the next write of an expert goes to a new file (copy on write, the
+(`disk_links.snapshot`), after which the next write of an expert goes to a new file (copy on write, the
 rows the slot lacks read from the linked file first), so a checkpoint never copies the state
 and never sees a later step. Every write records the xxh3-64 checksum of each chunk of each
-row it wrote; `snapshot` hands them to the checkpoint manifest, `adopt` takes them back from one.
+row it wrote; `snapshot` hands them to the checkpoint manifest, `adopt` takes them back from one
+(both in disk_links.py: the tier's checkpoint half).
 
 Verified reads (`verify_reads`, on by default): every read of a record file, the rows an
 access lacks and the rows a copy on write takes from the linked file, goes row by row (a row's
@@ -429,42 +430,6 @@ class DiskTier:
             if drop:
                 for entry in list(self._cache.values()):
                     self._drop_if_idle(entry)
-
-    # ----------------------------------------------------------------- checkpoints
-    def snapshot(self, link) -> dict[Key, dict]:
-        """After flush(): call link(path, key) for every expert's current file, freeze them
-        (the next write goes to a new file) and return per key its sums and gradient flag."""
-        self.flush()
-        with self._lock:
-            out = {}
-            for key in self.gen:
-                path = self.path(key)
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                link(path, key)
-                self.frozen.add(key)
-                out[key] = dict(sums={p: list(c) for p, c in self.sums[key].items()},
-                                grad=key in self.grad_on_disk)
-            return out
-
-    def adopt(self, key: Key, src: str, sums: dict[int, list[int]], grad: bool) -> None:
-        """Make the (verified) file `src` the expert's current file by hard link; it stays
-        frozen, so the first write goes to a new file. The key must not be cached."""
-        with self._lock:
-            assert key not in self._cache, f"adopt of {key} while it is cached"
-            old, gen = self.path(key), self.gen[key] + 1
-            os.link(src, self.path(key, gen))
-            try:
-                os.unlink(old)
-            except FileNotFoundError:
-                pass
-            self.gen[key] = gen
-            self.frozen.add(key)
-            self.sums[key] = {p: list(c) for p, c in sums.items()}
-            (self.grad_on_disk.add if grad else self.grad_on_disk.discard)(key)
 
     def close(self) -> None:
         """Write back and stop; after a failed flush (a damaged file, a full disk) the reads

@@ -276,7 +276,7 @@ class HostOptimizer:
             self._stepped.clear()
         # after every step each worker has queued, the spare gradients go
         for worker in self._workers:
-            worker.submit(self.store.drop_spare_grads)
+            worker.submit(self.store.host_grads.drop_spares)
 
     def end_iteration_unstepped(self) -> None:
         """End an iteration without stepping the experts not stepped yet (the caller has

@@ -190,6 +190,26 @@ class StateCodec:
             hi = min(master_P.numel(), lo + self.chunk)
             self._master_out(master_P[lo:hi], row, lo, hi, where)
 
+    def decode_state(self, master: torch.Tensor, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor, numel: int) -> tuple[torch.Tensor, ...]:
+        """Fresh fp32 [P] copies of a record's master and moments (rows as the store keeps)."""
+        out = [torch.empty(numel) for _ in range(3)]
+        self.decode_master(master, numel, out[0])
+        self.decode_moment(exp_avg, numel, True, "m", out[1])
+        self.decode_moment(exp_avg_sq, numel, False, "v", out[2])
+        return tuple(out)
+
+    def encode_state(self, rows: tuple[torch.Tensor, ...], master_P: torch.Tensor,
+                     exp_avg_P: torch.Tensor | None, exp_avg_sq_P: torch.Tensor | None,
+                     numel: int) -> None:
+        """Set a record's rows (master, exp_avg, exp_avg_sq) from fp32 [P] tensors (None: zero
+        moments; a bf16 master rounds to nearest)."""
+        rows[0].copy_(master_P.reshape(-1))
+        for row, value, signed in ((rows[1], exp_avg_P, True), (rows[2], exp_avg_sq_P, False)):
+            value = torch.zeros(numel) if value is None else \
+                value.reshape(-1).to(torch.float32, copy=True)
+            self.encode_moment(value, row, signed)
+
     def decode_moment(self, row: torch.Tensor, numel: int, signed: bool, slot: str,
                       out_P: torch.Tensor | None = None) -> torch.Tensor:
         """A moment as fp32 [P]: the row itself for fp32, else decoded into out_P / a buffer

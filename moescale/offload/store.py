@@ -52,6 +52,7 @@ import xxhash
 from moescale.dir_lock import claim_directory
 from moescale.offload import records
 from moescale.offload.disk_tier import DiskTier
+from moescale.offload.host_grads import HostGrads
 from moescale.offload.records import ALL, POS_GRAD, POS_MASTER, STATE
 from moescale.offload.state_format import RecordGeometry, StateCodec
 from moescale.offload.store_types import (EXP_AVG, EXP_AVG_SQ, GRAD, LOGICAL_POS, MASTER, TIERS,
@@ -61,8 +62,6 @@ from moescale.offload.store_types import (EXP_AVG, EXP_AVG_SQ, GRAD, LOGICAL_POS
 __all__ = ["EXP_AVG", "EXP_AVG_SQ", "GRAD", "LOGICAL_POS", "MASTER", "TIERS", "ExpertLayout",
            "ExpertRecord", "ExpertStore", "Key", "StoreConfig", "check_directory",
            "default_host_cache"]
-
-SPARE_GRADS = 2     # compact host gradients kept after their step for the next to reuse
 
 
 class ExpertStore:
@@ -82,8 +81,7 @@ class ExpertStore:
         self._lock = threading.Lock()
         self.disk: DiskTier | None = None
         self._waits = threading.local()   # per thread: seconds blocked in disk-tier acquires
-        self._grads: dict[Key, torch.Tensor] = {}   # compact host records' gradients
-        self._spare_grads: list[torch.Tensor] = []  # dropped ones, reused (SPARE_GRADS at most)
+        self.host_grads = HostGrads()   # compact host records' gradients (host_grads.py)
         self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
         self._dir_lock = None   # the disk tier's directory, owned (moescale/dir_lock.py)
         self.origins: dict[Key, str | None] = {}   # run identity: xxh3-64 of the initial
@@ -260,9 +258,7 @@ class ExpertStore:
     def host_bytes(self) -> int:
         """Bytes the host tier holds now: its records and the gradients alive or kept for reuse
         (0 on disk)."""
-        with self._lock:
-            grads = sum(4 * g.numel() for g in [*self._grads.values(), *self._spare_grads])
-        return sum(t.numel() * t.element_size() for t in self._host) + grads
+        return sum(t.numel() * t.element_size() for t in self._host) + self.host_grads.bytes()
 
     def geometry(self, layer: int) -> RecordGeometry:
         """Where a record's rows lie (host-tier byte records: 64-byte rows; disk: 4 KiB)."""
@@ -278,7 +274,8 @@ class ExpertStore:
             if not self.format.exact:
                 geo, data_B = self.geometry(layer), self._host[layer][e]
                 views = [geo.typed(data_B, pos) for pos in LOGICAL_POS if pos != POS_GRAD]
-                views.insert(GRAD, self._grad_row(key, create=bool(rows & records.G)))
+                views.insert(GRAD, self.host_grads.row(key, self.layouts[key[0]].numel,
+                                                       create=bool(rows & records.G)))
                 return ExpertRecord(key, views, self._steps[key])
             data_4P = self._host[layer][e]
             return ExpertRecord(key, data_4P.unbind(0), self._steps[key], data_4P)
@@ -289,29 +286,6 @@ class ExpertStore:
         self._waits.seconds = self.thread_read_wait_s() + time.perf_counter() - start
         views = [self.disk.row_view(entry, pos) for pos in LOGICAL_POS]
         return ExpertRecord(key, views, self._steps[key])
-
-    def _grad_row(self, key: Key, create: bool) -> torch.Tensor | None:
-        """A compact host record's gradient accumulator: fp32 [P], made (zero) when an access
-        asks for it and dropped when a step zeroes it, so between steps the host holds only the
-        format's master and moments (None: not made and not asked for)."""
-        with self._lock:
-            grad_P = self._grads.get(key)
-            if grad_P is None and create:
-                numel = self.layouts[key[0]].numel
-                spare = next((g for g in self._spare_grads if g.numel() == numel), None)
-                if spare is None:
-                    grad_P = torch.zeros(numel)
-                else:       # zeroing warm pages: ~10x cheaper than a fresh allocation's faults
-                    self._spare_grads.remove(spare)
-                    grad_P = spare.zero_()
-                self._grads[key] = grad_P
-            return grad_P
-
-    def drop_spare_grads(self) -> None:
-        """Free the gradients kept for reuse (the host optimizer's worker calls it after an
-        iteration's steps, so that between iterations the host holds only the format's bytes)."""
-        with self._lock:
-            self._spare_grads.clear()
 
     def _check_rows(self, rows: int) -> None:
         if rows & ~self.disk.slot_rows:
@@ -350,12 +324,8 @@ class ExpertStore:
 
     def _decode(self, rec: ExpertRecord) -> tuple[torch.Tensor, ...]:
         """Fresh fp32 copies of a record's master and moments."""
-        numel, codec = self.layouts[rec.key[0]].numel, StateCodec(self.format)
-        out = [torch.empty(numel) for _ in range(3)]
-        codec.decode_master(rec.master_P, numel, out[0])
-        codec.decode_moment(rec.exp_avg_P, numel, True, "m", out[1])
-        codec.decode_moment(rec.exp_avg_sq_P, numel, False, "v", out[2])
-        return tuple(out)
+        return StateCodec(self.format).decode_state(rec.master_P, rec.exp_avg_P, rec.exp_avg_sq_P,
+                                                    self.layouts[rec.key[0]].numel)
 
     def get_state(self, key: Key) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 copies of an expert's master, exp_avg and exp_avg_sq (whatever the format)."""
@@ -372,14 +342,9 @@ class ExpertStore:
         accumulator is zeroed. The caller sets the step count and bumps the version."""
         rec = self.acquire(key, STATE)
         try:
-            codec = StateCodec(self.format)
-            numel = self.layouts[key[0]].numel
-            rec.master_P.copy_(master_P.reshape(-1))     # a bf16 master: rounded to nearest
-            for row, value, signed in ((rec.exp_avg_P, exp_avg_P, True),
-                                       (rec.exp_avg_sq_P, exp_avg_sq_P, False)):
-                value = torch.zeros(numel) if value is None else \
-                    value.reshape(-1).to(torch.float32, copy=True)
-                codec.encode_moment(value, row, signed)
+            StateCodec(self.format).encode_state(
+                (rec.master_P, rec.exp_avg_P, rec.exp_avg_sq_P), master_P, exp_avg_P,
+                exp_avg_sq_P, self.layouts[key[0]].numel)
         finally:     # the gradient accumulator: zero (the host tier drops it)
             self.release(key, dirty=True, rows=STATE, grad_zero=True)
 
@@ -389,10 +354,7 @@ class ExpertStore:
         accumulator is zero now (an optimizer step), so it need not be persisted."""
         if self.config.tier == "host":
             if grad_zero and not self.format.exact:
-                with self._lock:
-                    grad_P = self._grads.pop(key, None)
-                    if grad_P is not None and len(self._spare_grads) < SPARE_GRADS:
-                        self._spare_grads.append(grad_P)
+                self.host_grads.drop(key)
             return
         self.disk.release(key, rows if dirty else 0, grad_zero)
 

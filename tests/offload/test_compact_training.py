@@ -150,7 +150,7 @@ def test_host_tier_holds_the_formats_bytes_between_steps(tmp_path):
         held[master, moments] = engine.store.host_bytes()
         params = sum(engine.store.layouts[lay].numel * n
                      for lay, n in enumerate(engine.store.num_experts))
-        assert not engine.store._grads           # every expert stepped: no gradient kept
+        assert not engine.store.host_grads.live           # every expert stepped: no gradient kept
         engine.close()
         assert held[master, moments] <= params * (16 if master == "fp32" == moments else
                                                   engine.config.state.state_bytes_per_param()
