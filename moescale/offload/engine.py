@@ -34,6 +34,7 @@ trainer's).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable
 
@@ -325,12 +326,16 @@ class OffloadEngine:
         load_store(self.store, directory, first_expert, total_experts, tag, allow_other_run)
 
     def close(self) -> None:
-        self.moved.close()
-        self.synchronize()
-        self.cache.clear()
-        self.optimizer.close()
-        self.store.close()
-        self.device.close()
+        """Wait for the queued host tasks and close every part, each one even when a task
+        failed (its error is raised after): a store left open would keep pumping I/O into
+        pools that interpreter shutdown closes."""
+        with contextlib.ExitStack() as parts:      # closed in reverse: cache first
+            parts.callback(self.device.close)
+            parts.callback(self.store.close)
+            parts.callback(self.optimizer.close)
+            parts.callback(self.cache.clear)
+            self.moved.close()
+            self.synchronize()
 
 
 def _shifted(expert_init, start: int):
