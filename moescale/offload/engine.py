@@ -35,7 +35,6 @@ trainer's).
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterable
 
 import torch
@@ -52,7 +51,7 @@ from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.experts import OffloadedGroupedExperts
 from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
 from moescale.offload.config import DTYPES, OffloadConfig
-from moescale.offload.optimizer import AdamWConfig, HostOptimizer
+from moescale.offload.optimizer import AdamWConfig, HostOptimizer, worker_layout
 from moescale.offload.records import ALL, POS_GRAD, G, M
 from moescale.offload.state_format import RecordGeometry, StateFormat
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
@@ -71,19 +70,10 @@ class OffloadEngine:
             shared_memory=config.shared_memory, io_threads=config.io_threads,
             state=config.state, verify_reads=config.verify_reads,
             reserve_disk=config.reserve_disk))
+        threads, workers = worker_layout(cuda, config.step_mode, config.store_tier == "disk")
         self.optimizer = HostOptimizer(self.store, config.optimizer or AdamWConfig(),
-                                       config.step_mode,
-                                       # eager on a CPU device: the steps run beside backward's
-                                       # compute on the same cores, so on a team of their own;
-                                       # deferred ones run while the compute waits: all cores
-                                       worker_threads=None if cuda or
-                                       config.step_mode == "deferred" else 1,
-                                       # the disk tier's eager steps on a CPU device: two
-                                       # workers, so that both cores step experts while the
-                                       # compute waits for records
-                                       workers=2 if not cuda and config.step_mode == "eager"
-                                       and config.store_tier == "disk"
-                                       and (os.cpu_count() or 1) >= 2 else 1)
+                                       config.step_mode, worker_threads=threads,
+                                       workers=workers)
         self.device = None
         self.cache: DeviceCache | None = None
         self.layers: list = []  # the offloaded expert containers, by store layer

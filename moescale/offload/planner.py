@@ -23,7 +23,8 @@ Step time (micro_batches x (forward + backward), then the optimizer), summed ove
 (compute and transfers once per micro-batch, adam once per step). With overlap (a GPU) the
 step is max(compute, transfers, adam in eager mode) (the pipeline overlaps them) plus adam in
 deferred mode; on a CPU "device" (`Rates.overlap` False) copies and AdamW share the cores, so
-it is their sum. The disk tier's I/O runs on its own threads beside all of that: its step is
+it is their sum, AdamW divided among the engine's workers (two for the disk tier's eager steps:
+optimizer.worker_layout). The disk tier's I/O runs on its own threads beside all of that: its step is
 max(that step, disk) (deferred with overlap: max(compute, transfers, reads) + max(adam,
 writes)). Dense compute is added to compute. `experts_used` is min(E, tokens * top_k) (an
 expert with no tokens is never uploaded). The device mode pays compute + device AdamW.
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from moescale.offload.optimizer import worker_layout
 from moescale.offload.rates import A100_NODE, Rates
 from moescale.offload.records import POS_GRAD, POS_MASTER
 from moescale.offload.state_format import RecordGeometry, StateFormat
@@ -258,8 +260,10 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
         parts.update(upload_s=upload, download_s=download, host_adam_s=adam)
         transfers = {"uploads": upload, "gradient downloads": download}
         deferred_overlap = r.overlap and step_mode == "deferred"
-        if not r.overlap:               # a CPU "device": copies and AdamW share the cores
-            step = path.serial(compute, {**transfers, "host AdamW": adam})
+        if not r.overlap:               # a CPU "device": copies and AdamW share the cores;
+            # AdamW on the engine's workers (optimizer.worker_layout: two on the disk tier)
+            workers = worker_layout(False, step_mode, mode == "disk")[1]
+            step = path.serial(compute, {**transfers, "host AdamW": adam / workers})
         elif step_mode == "eager":      # max(compute, transfers, adam)
             step = path.beside(path.beside(compute, transfers), {"host AdamW": adam})
         else:                           # max(compute, transfers) + adam

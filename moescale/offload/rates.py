@@ -12,7 +12,8 @@ measured, robustly: every rate is the median of several warm timings of a realis
   predict for it, this gives `stream_flops_per_s`, the compute rate of the streamed walk: on a
   CPU its copy and optimizer threads share the cores with the GEMMs, which then run slower
   than in the resident layer (1.2-1.3x the resident time here with 2 cores);
-- adam: torch's fused AdamW over one expert's parameters (what the store steps at a time),
+- adam: torch's fused AdamW over one expert's parameters (what the store steps at a time; on a
+  CPU device on a one-thread team of its own, as the engine's eager workers run it),
   cycling through copies that add up to 256 MiB so that the state is cold in the CPU caches,
   as the store's is;
 - copy: one expert's compute-precision copy from cold sources (the simulated device's upload);
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ from typing import Callable
 
 import torch
 
+from moescale.offload.omp_team import limit_this_thread
 from moescale.offload.state_format import StateFormat
 
 GIB = 1 << 30
@@ -92,10 +95,14 @@ class _Probe:
     amount: float                    # units of the rate per call of work
     samples: list[float] = field(default_factory=list)
     uploads: list[int] = field(default_factory=list)   # the stream probe's, per call
+    thread: ThreadPoolExecutor | None = None   # where work runs (None: the caller's thread)
 
     def sample(self) -> None:
         start = time.perf_counter()
-        self.work()
+        if self.thread is None:
+            self.work()
+        else:
+            self.thread.submit(self.work).result()
         self.samples.append(self.amount / max(time.perf_counter() - start, 1e-9))
 
 
@@ -124,7 +131,8 @@ def _compute_probe(rows: int, d_model: int, d_ff: int, glu: bool, top_k: int,
 
 
 def _stream_probe(rows: int, d_model: int, d_ff: int, glu: bool, top_k: int,
-                  experts: int = STREAM_EXPERTS) -> tuple[_Probe, Callable[[], None]]:
+                  experts: int = STREAM_EXPERTS, state: StateFormat = StateFormat()
+                  ) -> tuple[_Probe, Callable[[], None]]:
     """(the probe, its close) of an offloaded layer's training step; amount: expert FLOPs."""
     from moescale.layers.moe import MoE
     from moescale.offload.engine import OffloadConfig, build_engine
@@ -134,7 +142,8 @@ def _stream_probe(rows: int, d_model: int, d_ff: int, glu: bool, top_k: int,
         layer = MoE(d_model, experts, top_k, d_ff=d_ff, glu=glu)
         x = torch.randn(tokens, d_model)
     engine = build_engine(layer, OffloadConfig(tier="host", device="cpu", step_mode="eager",
-                                               device_budget_experts=3))
+                                               device_budget_experts=3, master=state.master,
+                                               moments=state.moments))
 
     probe = _Probe(None, 6 * tokens * top_k * (3 if glu else 2) * d_model * d_ff)
 
@@ -267,11 +276,17 @@ class RateProbes:
         self.sizes = dict(rows_per_expert=gemm_rows, d_model=d_model, d_ff=d_ff, glu=glu,
                           top_k=top_k, expert_params=expert_params, copy_bytes=copy_bytes)
         shape = (max(1, gemm_rows), d_model, d_ff, glu, top_k)
-        stream, self._close_stream = _stream_probe(*shape)
+        stream, self._close_stream = _stream_probe(*shape, state=state)
+        adam = _adam_probe(max(expert_params, 1 << 16), state=state)
+        # on a CPU device the engine's eager steps run on one-thread teams of their own
+        # (optimizer.worker_layout): the rate of one such worker
+        self._adam_thread = None if torch.cuda.is_available() else ThreadPoolExecutor(
+            1, thread_name_prefix="moescale-rates-adam", initializer=limit_this_thread,
+            initargs=(1,))
+        adam.thread = self._adam_thread
         self.probes = dict(flops_per_s=_compute_probe(*shape),
                            stream_step_flops_per_s=stream,
-                           adam_params_per_s=_adam_probe(max(expert_params, 1 << 16),
-                                                         state=state),
+                           adam_params_per_s=adam,
                            copy_bytes_per_s=_copy_probe(max(copy_bytes, 1 << 20)))
         self.disk = _DiskFiles(disk_dir, disk_file_bytes, rounds) if disk else None
         if self.disk is not None:
@@ -323,6 +338,9 @@ class RateProbes:
     def close(self) -> None:
         self._close_stream()
         self._close_stream = lambda: None
+        if self._adam_thread is not None:
+            self._adam_thread.shutdown(wait=True)
+            self._adam_thread = None
         if self.disk is not None:
             self.disk.close()
             self.disk = None
