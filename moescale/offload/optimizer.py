@@ -112,6 +112,7 @@ class HostOptimizer:
         self._last_task: dict[Key, Future] = {}
         self._step_fence: dict[Key, Future] = {}
         self._stepped: set[Key] = set()
+        self._spares_dropped: list[Future] = []   # the last step_all's spare-gradient frees
         self._follow = None
         self.step_seconds = 0.0         # wall time of the worker's steps (waits included)
         self.step_cpu_seconds = 0.0     # the worker's CPU time in them (its own team's)
@@ -247,7 +248,7 @@ class HostOptimizer:
     def wait_all(self) -> None:
         """Block until every queued task has run (re-raising the first error)."""
         with self._lock:
-            futures = list(self._last_task.values())
+            futures = [*self._last_task.values(), *self._spares_dropped]
         for f in futures:
             f.result()
 
@@ -287,9 +288,10 @@ class HostOptimizer:
                         self._last_task[k] = future
         with self._lock:
             self._stepped.clear()
-        # after every step each worker has queued, the spare gradients go
-        for worker in self._workers:
-            worker.submit(self.store.host_grads.drop_spares)
+        # after every step each worker has queued, the spare gradients go (wait_all waits)
+        spares = [w.submit(self.store.host_grads.drop_spares) for w in self._workers]
+        with self._lock:
+            self._spares_dropped = spares
 
     def end_iteration_unstepped(self) -> None:
         """End an iteration without stepping the experts not stepped yet (the caller has
