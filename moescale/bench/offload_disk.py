@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                    "bf16, moments fp32 | bf16 | int8), comma-separated")
     p.add_argument("--out", default=None, help="the JSON result (default: runs/bench/<time>/"
                    "offload_disk_<hardware>.json)")
+    p.add_argument("--step-mode", choices=("eager", "deferred"), default="eager",
+                   help="eager: each expert steps right after its backward; deferred: every "
+                   "expert after the whole backward (its gradient row goes to disk and back)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--format", default="fp32+fp32", help=argparse.SUPPRESS)   # the child's
     return p
@@ -162,6 +165,7 @@ def _child(args) -> dict:
     fmt = parse_formats(args.format)[0]
     geo = RecordGeometry(fmt, _expert_params(args))
     master_row, state_rows = geo.strides[POS_MASTER], geo.offsets[POS_GRAD]
+    grad_row, deferred = geo.strides[POS_GRAD], int(args.step_mode == "deferred")
     read_share = (master_row + state_rows) / (master_row + 2 * state_rows)  # the scheme's mix
     compute_s = _compute_estimate(args)
     adam_rate = _host_adam_rate()
@@ -177,7 +181,7 @@ def _child(args) -> dict:
     engine = offload_moe(model, OffloadConfig(
         tier="disk", directory=args.dir, host_cache_bytes=int(args.host_cache_gb * GIB),
         device=args.device, device_budget_experts=args.device_budget_experts,
-        step_mode="eager", io_threads=args.io_threads, master=fmt.master,
+        step_mode=args.step_mode, io_threads=args.io_threads, master=fmt.master,
         moments=fmt.moments), expert_init=init)
     init_s = time.perf_counter() - start
     store = engine.store
@@ -220,8 +224,12 @@ def _child(args) -> dict:
             user_cpu_s=cpu1.user - cpu0.user, system_cpu_s=cpu1.system - cpu0.system,
             optimizer_s=engine.optimizer.step_seconds - optim0,
             optimizer_cpu_s=engine.optimizer.step_cpu_seconds - optim_cpu0,
-            min_read_bytes=master_row * sum(routed) + state_rows * experts,
-            min_write_bytes=state_rows * experts, verify=store.disk.verify_reads,
+            # deferred: backward reads the master again, and the gradient row goes out
+            # after backward and comes back for the step
+            min_read_bytes=master_row * sum(routed) + state_rows * experts + deferred * (
+                master_row * sum(routed) + grad_row * experts),
+            min_write_bytes=(state_rows + deferred * grad_row) * experts,
+            verify=store.disk.verify_reads,
             bytes_verified=io.bytes_verified - hashed0, verify_s=io.verify_s - hash_s0))
         s = steps[-1]
         if i == 0:   # the warm-up wrote every record whole: now the probe reads real files
