@@ -3,7 +3,8 @@ statistics): the bytes it read and wrote at the block device, and its peak resid
 
 - `ProcessIO`: /proc/self/io `read_bytes` / `write_bytes` since the last `take()`: what reached
   the block layer, not the page cache;
-- `reset_peak_rss` / `peak_rss_bytes`: VmHWM, the peak resident set, from a point on.
+- `reset_peak_rss` / `peak_rss_bytes`: VmHWM, the peak resident set, from a point on;
+- `page_cache_bytes`: the machine's page cache (/proc/meminfo `Cached`).
 
 Deliberately not here: disk bandwidth probes and the block device's busy time
 (bench/disk_probe.py).
@@ -43,10 +44,20 @@ def reset_peak_rss() -> None:
         pass
 
 
-def peak_rss_bytes() -> int:
-    """VmHWM: this process's peak resident set since start or reset_peak_rss()."""
-    with open("/proc/self/status") as f:
+def _kib_field(path: str, name: str) -> int:
+    """Bytes of a `name:  N kB` line of a /proc file (0 if absent)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(name + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM: this process's peak resident set since start or reset_peak_rss()."""
+    return _kib_field("/proc/self/status", "VmHWM")
+
+
+def page_cache_bytes() -> int:
+    """The machine's page cache now (grows when reads or writes go through it)."""
+    return _kib_field("/proc/meminfo", "Cached")

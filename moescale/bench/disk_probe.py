@@ -9,9 +9,9 @@
 - `dd_bandwidth(directory, cold_files, ...)`: `dd` with `iflag=direct` / `oflag=direct` at the
   store's request size on other cold files and a scratch file (the raw reference);
 - `reset_peak_rss` / `peak_rss_bytes` / `ProcessIO` (moescale/proc_stats.py, re-exported):
-  VmHWM from a point on, the process's device-level bytes (/proc/self/io);
-- `DiskBusy` / `page_cache_bytes`: the busy time of the directory's block device
-  (/proc/diskstats) and the kernel's page cache size (/proc/meminfo `Cached`).
+  VmHWM from a point on, the process's device-level bytes (/proc/self/io); the page cache size
+  is proc_stats.page_cache_bytes;
+- `DiskBusy`: the busy time of the directory's block device (/proc/diskstats).
 - `cpu_flags()`: the instruction-set flags that matter for the results (avx2, avx512*, amx*).
 
 Deliberately not here: what is benchmarked (offload_disk.py).
@@ -74,14 +74,6 @@ class DiskBusy:
             return None
         delta, self._last = (now - self._last) / 1000.0, now
         return delta
-
-
-def page_cache_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Cached:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _stream(io: DirectIO, kind: str, requests: list[tuple[str, int]], bufs: list,

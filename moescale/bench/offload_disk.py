@@ -204,7 +204,7 @@ def _child(args) -> dict:
         hashed0, hash_s0 = io.bytes_verified, io.verify_s
         read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.cache.wait_seconds
         optim0, optim_cpu0 = engine.optimizer.step_seconds, engine.optimizer.step_cpu_seconds
-        cached0 = disk_probe.page_cache_bytes()
+        cached0 = proc_stats.page_cache_bytes()
         dev_io.take(), busy.take()
         cpu0 = os.times()
         start = time.perf_counter()
@@ -219,7 +219,7 @@ def _child(args) -> dict:
             seconds=elapsed, warmup=i == 0, loss=loss, bytes_read=store.bytes_read - read0,
             bytes_written=store.bytes_written - written0, device_read_bytes=dev_read,
             device_write_bytes=dev_written, disk_busy_s=busy.take(),
-            page_cache_growth_bytes=disk_probe.page_cache_bytes() - cached0,
+            page_cache_growth_bytes=proc_stats.page_cache_bytes() - cached0,
             upload_wait_s=engine.cache.wait_seconds - wait0,
             user_cpu_s=cpu1.user - cpu0.user, system_cpu_s=cpu1.system - cpu0.system,
             optimizer_s=engine.optimizer.step_seconds - optim0,
