@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moescale.offload import codec_kernels
 from moescale.offload.direct_io import align_up
 from moescale.offload.int8_codes import (BLOCK, TABLE_BITS, TABLE_MASK, nearest_table,
                                          pair_table)
@@ -138,13 +139,17 @@ class StateCodec:
     Every conversion runs chunk by chunk (CHUNK numbers, whole int8 blocks) through kept work
     buffers, so its several passes over a chunk hit the cache instead of memory. `chunks` hands
     an expert's state to the AdamW step one decoded chunk at a time; the whole-row methods
-    (checkpoints, state access, tests) run the same kernels."""
+    (checkpoints, state access, tests) run the same kernels. `kernels`: convert with the
+    one-pass C loops (codec_kernels.py; bitwise the torch ops) where a compiler built them
+    (None), or with torch ops only (False)."""
 
-    def __init__(self, fmt: StateFormat, chunk: int = CHUNK) -> None:
+    def __init__(self, fmt: StateFormat, chunk: int = CHUNK, kernels: bool | None = None
+                 ) -> None:
         if chunk % BLOCK or NOISE_NUMBERS % chunk:
             raise ValueError(f"codec chunk {chunk} must be a multiple of {BLOCK} dividing "
                              f"{NOISE_NUMBERS}")
         self.fmt, self.chunk = fmt, chunk
+        self.kernels = None if kernels is False or fmt.exact else codec_kernels.load()
         self._buf: dict[str, torch.Tensor] = {}
         self._noise: torch.Tensor | None = None
 
@@ -257,6 +262,10 @@ class StateCodec:
             return
         part = lo // NOISE_NUMBERS
         off = _mix(self.fmt.seed, *where, part) % NOISE_NUMBERS + lo - part * NOISE_NUMBERS
+        if self.kernels is not None and row.dtype == torch.bfloat16 \
+                and master_C.is_contiguous():
+            self.kernels.encode_bf16_sr(master_C, self._noise_table()[off:], row[lo:], hi - lo)
+            return
         bits_C = master_C.view(torch.int32)
         bits_C.add_(self._noise_table()[off:off + hi - lo])
         bits_C.bitwise_and_(-65536)            # the low 16 bits: now exact in bf16
@@ -289,6 +298,9 @@ class StateCodec:
         if kind == "bf16":
             return out_C[:hi - lo].copy_(row[lo:hi])
         codes, scale_n = self._int8_parts(row, numel, lo, hi)
+        if self.kernels is not None:
+            self.kernels.decode_int8(codes, scale_n, out_C, hi - lo, signed)
+            return out_C[:hi - lo]
         full_C = out_C[:codes.numel()]          # whole blocks (the last may be padding)
         idx = self.buffer("idx", self.chunk, torch.int32)[:codes.numel() // 2]
         idx.copy_(codes.view(torch.uint16))     # two codes per gather
@@ -304,6 +316,10 @@ class StateCodec:
                 row[lo:hi].copy_(value_C)
             return
         codes, scale_n = self._int8_parts(row, numel, lo, hi)
+        if self.kernels is not None:
+            assert value_C.is_contiguous() and value_C.dtype == torch.float32
+            self.kernels.encode_int8(value_C, hi - lo, codes, scale_n, signed)
+            return
         x_nB = value_C
         if codes.numel() != value_C.numel():   # pad the last block with zeros
             x_nB = self.buffer("pad", self.chunk)[:codes.numel()]
