@@ -1,25 +1,30 @@
-"""The compact-state codec's conversions as one-pass C loops, compiled on first use (optional).
+"""The compact-state codec and AdamW as one-pass C loops, compiled on first use (optional).
 
 StateCodec (state_format.py) converts a chunk of an expert's state with torch ops: an int8
 moment's decode is three passes over the chunk (widen the codes, gather, scale), its encode
 eight (max, min, maximum, where, divide, shift, mask, gather), a bf16 master's stochastic
-rounding three. Each pass is cheap, but the codec was 28 of the 37 ms of one 8.4M-parameter
-expert's AdamW step (`moescale bench compact-optimizer`), and on a 2-core machine past RAM that
-is CPU the disk's I/O threads and the compute also need. These loops do each conversion in one
-pass, with the same IEEE operations in the same order, so their results are bitwise those of
-the torch ops (tests/offload/test_codec_kernels.py checks it), and a machine without a C
-compiler computes the same numbers, only slower.
+rounding three; with AdamW's own passes, one 8.4M-parameter expert's bf16 + int8 step took
+36.8 ms against 8.3 for fp32 state (`moescale bench compact-optimizer`), CPU that a 2-core
+machine past RAM also needs for the disk's I/O and the compute. Here:
+- `decode_int8`, `encode_int8`, `encode_bf16_sr`: each conversion in one pass, with the same
+  IEEE operations in the same order as the torch ops, so bitwise their results;
+- `adamw_int8`: an expert's whole step with int8 moments, block by block (256 numbers:
+  decode, AdamW, encode while the block is in L1), bitwise compact_adamw.adamw_reference
+  followed by the codec's encode.
+tests/offload/test_codec_kernels.py checks both; a machine without a C compiler computes the
+same numbers with torch ops, only slower. AVX-512 and AVX2 paths use gathers and divides of
+16 or 8 numbers; other machines get the scalar loops.
 
 The source is compiled with the system's C compiler (`cc`, or $CC) for the machine it runs on
-(-march=native; -ffp-contract=off keeps every multiply and divide separately rounded) into
+(-march=native; -ffp-contract=off keeps every multiply and add separately rounded) into
 $XDG_CACHE_HOME/moescale/kernels (default ~/.cache), named by a hash of the source, the flags
 and the compiler's version, written atomically (a temporary name, then a rename), so parallel
 ranks compiling at once are harmless. No compiler, or a failed compile: `load()` returns None
-and the codec keeps its torch ops. ctypes releases the GIL during each call, so the host
-optimizer's workers convert in parallel.
+and the torch ops run. ctypes releases the GIL during each call, so the host optimizer's
+workers run in parallel.
 
-Deliberately not here: the AdamW step (torch's fused kernel, on the decoded chunk), the code
-tables (int8_codes.py), which path to take (StateCodec).
+Deliberately not here: which path to take (StateCodec, compact_adamw.step_compact), the code
+tables (int8_codes.py).
 """
 
 from __future__ import annotations
@@ -118,36 +123,91 @@ static void quantise_block(const float *xb, int64_t m, float d, const uint8_t *t
     }
 }
 
-/* n numbers -> ceil(n / BLOCK) blocks of codes and their scales (the absmax; signed: the
-   larger of max and -min, -0 made +0). A partial last block is quantised as if padded with
-   zeros (its max includes 0, its padding gets the code of 0), as the torch ops do. */
-void encode_int8(const float *x, int64_t n, uint8_t *codes, float *scale,
-                 const uint8_t *table, int is_signed) {
+/* forward */
+void encode_bf16_sr(const float *x, const int32_t *noise, uint16_t *out, int64_t n);
+
+/* the block's scale (absmax; signed: the larger of max and -min, -0 made +0; a partial
+   block counts its zero padding) */
+static float block_scale(const float *xb, int64_t m, int is_signed) {
+    float mx = m < BLOCK ? 0.0f : xb[0], mn = mx;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 vmx = _mm512_set1_ps(mx), vmn = vmx;
+    for (; j + 16 <= m; j += 16) {
+        __m512 v = _mm512_loadu_ps(xb + j);
+        vmx = _mm512_max_ps(vmx, v);
+        vmn = _mm512_min_ps(vmn, v);
+    }
+    mx = _mm512_reduce_max_ps(vmx);
+    mn = _mm512_reduce_min_ps(vmn);
+#endif
+    for (; j < m; j++) {
+        mx = xb[j] > mx ? xb[j] : mx;
+        mn = xb[j] < mn ? xb[j] : mn;
+    }
+    return is_signed ? (mx >= -mn ? mx : -mn) + 0.0f : mx;
+}
+
+/* one block's codes and scale */
+static void encode_block(const float *xb, int64_t m, uint8_t *c, float *scale,
+                         const uint8_t *table, int is_signed) {
+    const float s = block_scale(xb, m, is_signed);
+    *scale = s;
+    quantise_block(xb, m, s > 0.0f ? s : 1.0f, table, c);
+    for (int64_t j = m; j < BLOCK; j++) c[j] = table[0];
+}
+
+/* AdamW on an expert's n numbers with int8 moments, block by block in one pass: decode the
+   block's moments (and a bf16 master), step, encode. hp = {1 - lr wd, beta1, 1 - beta1,
+   beta2, 1 - beta2, lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), eps}; every operation rounds on
+   its own (no fused multiply-add), in the order adamw_reference (state_format.py) takes.
+   master32: an fp32 master stepped in place; else master16 (bf16) with noise for its
+   stochastic rounding (noise[i] for number i). */
+void adamw_int8(float *master32, uint16_t *master16, const int32_t *noise, const float *grad,
+                int64_t n, uint8_t *m_codes, float *m_scale, uint8_t *v_codes, float *v_scale,
+                const float *hp, const float *m_map, const float *v_map,
+                const uint8_t *m_table, const uint8_t *v_table) {
+    float pb[BLOCK] __attribute__((aligned(64)));
+    float mb[BLOCK] __attribute__((aligned(64)));
+    float vb[BLOCK] __attribute__((aligned(64)));
+    const float decay = hp[0], b1 = hp[1], c1 = hp[2], b2 = hp[3], c2 = hp[4];
+    const float step_size = hp[5], inv_bc2_sqrt = hp[6], eps = hp[7];
     for (int64_t lo = 0; lo < n; lo += BLOCK) {
         const int64_t m = n - lo < BLOCK ? n - lo : BLOCK;
-        const float *xb = x + lo;
-        float mx = m < BLOCK ? 0.0f : xb[0], mn = mx;
-        int64_t j = 0;
-#if defined(__AVX512F__)
-        __m512 vmx = _mm512_set1_ps(mx), vmn = vmx;
-        for (; j + 16 <= m; j += 16) {
-            __m512 v = _mm512_loadu_ps(xb + j);
-            vmx = _mm512_max_ps(vmx, v);
-            vmn = _mm512_min_ps(vmn, v);
+        const int64_t b = lo / BLOCK;
+        decode_block(m_codes + lo, m_scale[b], m_map, mb, m);
+        decode_block(v_codes + lo, v_scale[b], v_map, vb, m);
+        float *p = master32 ? master32 + lo : pb;
+        if (!master32)
+            for (int64_t j = 0; j < m; j++) {
+                uint32_t u = (uint32_t)master16[lo + j] << 16;
+                memcpy(pb + j, &u, 4);
+            }
+        const float *g = grad + lo;
+        for (int64_t j = 0; j < m; j++) {
+            const float gj = g[j];
+            const float pj = p[j] * decay;
+            const float mj = mb[j] * b1 + gj * c1;
+            const float vj = vb[j] * b2 + (gj * gj) * c2;
+            const float d = sqrtf(vj) * inv_bc2_sqrt + eps;
+            p[j] = pj - (mj / d) * step_size;
+            mb[j] = mj;
+            vb[j] = vj;
         }
-        mx = _mm512_reduce_max_ps(vmx);
-        mn = _mm512_reduce_min_ps(vmn);
-#endif
-        for (; j < m; j++) {
-            mx = xb[j] > mx ? xb[j] : mx;
-            mn = xb[j] < mn ? xb[j] : mn;
-        }
-        float s = mx;
-        if (is_signed) s = (mx >= -mn ? mx : -mn) + 0.0f;
-        scale[lo / BLOCK] = s;
-        quantise_block(xb, m, s > 0.0f ? s : 1.0f, table, codes + lo);
-        for (j = m; j < BLOCK; j++) codes[lo + j] = table[0];
+        encode_block(mb, m, m_codes + lo, m_scale + b, m_table, 1);
+        encode_block(vb, m, v_codes + lo, v_scale + b, v_table, 0);
+        if (!master32)
+            encode_bf16_sr(pb, noise + lo, master16 + lo, m);
     }
+}
+
+/* n numbers -> ceil(n / BLOCK) blocks of codes and their scales; a partial last block is
+   quantised as if padded with zeros (its padding gets the code of 0), as the torch ops do */
+void encode_int8(const float *x, int64_t n, uint8_t *codes, float *scale,
+                 const uint8_t *table, int is_signed) {
+    for (int64_t lo = 0; lo < n; lo += BLOCK)
+        encode_block(x + lo, n - lo < BLOCK ? n - lo : BLOCK, codes + lo, scale + lo / BLOCK,
+                     table, is_signed);
 }
 
 /* stochastic rounding to bf16: the fp32 bits plus 16 bits of noise, truncated */
@@ -207,6 +267,8 @@ class CodecKernels:
         self._decode.argtypes, self._decode.restype = [p, p, p, p, n], None
         self._encode.argtypes, self._encode.restype = [p, n, p, p, p, ctypes.c_int], None
         self._sr.argtypes, self._sr.restype = [p, p, p, n], None
+        self._adamw = lib.adamw_int8
+        self._adamw.argtypes, self._adamw.restype = [p, p, p, p, n, p, p, p, p, p, p, p, p, p], None
         # the nearest-code tables with 3 bytes of padding: a 4-byte gather reads past the last
         self._tables = {signed: torch.cat([nearest_table(signed), torch.zeros(3, dtype=torch.uint8)])
                         for signed in (True, False)}
@@ -220,6 +282,18 @@ class CodecKernels:
         """x_C[:n] (fp32) -> codes (whole blocks, padding coded as 0) and per-block scales."""
         self._encode(x_C.data_ptr(), n, codes_u8.data_ptr(), scale_n.data_ptr(),
                      self._tables[signed].data_ptr(), int(signed))
+
+    def adamw_int8(self, master, noise, grad_P, n: int, m_parts, v_parts, hp_8) -> None:
+        """AdamW on n numbers with int8 moments in one pass (see the C source): master is the
+        fp32 [n] master (stepped in place) or the bf16 row with `noise` [n] for its rounding;
+        m_parts / v_parts: (codes uint8, scales fp32) of whole blocks; hp_8: fp32 [8]."""
+        fp32 = master.dtype == torch.float32
+        self._adamw(master.data_ptr() if fp32 else None, None if fp32 else master.data_ptr(),
+                    None if fp32 else noise.data_ptr(), grad_P.data_ptr(), n,
+                    m_parts[0].data_ptr(), m_parts[1].data_ptr(), v_parts[0].data_ptr(),
+                    v_parts[1].data_ptr(), hp_8.data_ptr(), dynamic_map(True).data_ptr(),
+                    dynamic_map(False).data_ptr(), self._tables[True].data_ptr(),
+                    self._tables[False].data_ptr())
 
     def encode_bf16_sr(self, x_C, noise_C, out_bf16, n: int) -> None:
         """out = bf16 of (fp32 bits of x + noise) with the low 16 bits dropped."""

@@ -3,8 +3,10 @@
 The math is torch's own AdamW (`torch.optim.adamw.adamw`, the functional form behind
 `torch.optim.AdamW`: single-tensor, foreach or fused CPU kernel), applied to each expert's flat
 fp32 master, gradient accumulator and moments. Compact state (a bf16 master, bf16 or int8
-moments: state_format.py) is decoded into fp32 work buffers, stepped by the same call and
-encoded back, one expert at a time on the worker. Hyper-parameters (lr, betas, eps, weight decay)
+moments: state_format.py) is stepped one expert at a time on the worker by compact_adamw.py:
+with int8 moments moescale's own AdamW (the same formula, every operation rounded on its own;
+decode, step and encode in one pass per block where a C compiler built the loop), with bf16
+moments torch's AdamW on decoded fp32 chunks. Hyper-parameters (lr, betas, eps, weight decay)
 are read when a step is submitted, from the config or from a dense optimizer the engine
 follows (`follow(dense_optimizer)`), so an LR scheduler drives both.
 
@@ -44,6 +46,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from moescale.devices import Transfer
+from moescale.offload.compact_adamw import step_compact
 from moescale.offload.records import ALL, G, STATE
 from moescale.offload.omp_team import limit_this_thread
 from moescale.offload.state_format import StateCodec
@@ -228,22 +231,17 @@ class HostOptimizer:
               eps=hp["eps"], maximize=False)
 
     def _step_compact(self, rec, hp: dict) -> None:
-        """One expert's AdamW on compact state, chunk by chunk: decode into fp32 work buffers,
-        step, encode (a bf16 master by stochastic rounding keyed by (layer, expert, step)).
-        AdamW is elementwise, so each chunk's step is the whole step's on those numbers; every
-        chunk starts from the expert's step count, which then advances once."""
+        """One expert's AdamW on compact state (compact_adamw.py; a bf16 master by stochastic
+        rounding keyed by (layer, expert, step)); the step count then advances once."""
         codec = getattr(self._codecs, "codec", None)
         if codec is None:
             codec = self._codecs.codec = StateCodec(self.store.format)
         numel = self.store.layouts[rec.key[0]].numel
         layer, e = rec.key      # keyed by the global expert: any rank count rounds alike
         where = (layer, self.store.first_expert[layer] + e, int(rec.step_t) + 1)
-        count_t = rec.step_t.clone()
-        for lo, hi, master_C, exp_avg_C, exp_avg_sq_C in codec.chunks(
-                rec.master_P, rec.exp_avg_P, rec.exp_avg_sq_P, numel, where):
-            self._adamw([master_C], [rec.grad_P[lo:hi]], [exp_avg_C], [exp_avg_sq_C],
-                        [count_t.copy_(rec.step_t)], hp)
-        rec.step_t.copy_(count_t)
+        step_compact(codec, (rec.master_P, rec.exp_avg_P, rec.exp_avg_sq_P), rec.grad_P, numel,
+                     where, hp, lambda *lists: self._adamw(*lists, hp))
+        rec.step_t.add_(1)
 
     def wait_all(self) -> None:
         """Block until every queued task has run (re-raising the first error)."""

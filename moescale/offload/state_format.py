@@ -21,7 +21,7 @@ at a time so that a chunk's several passes stay in the cache (`moescale bench co
 steps experts: the host optimizer's workers).
 
 Deliberately not here: where records live (store.py, disk_tier.py), the AdamW math
-(optimizer.py: torch's own AdamW on the decoded fp32 tensors).
+(compact_adamw.py), the C loops (codec_kernels.py).
 
 Legend: P parameters of one expert, N numbers padded to whole blocks (N = nb * BLOCK).
 """
@@ -260,16 +260,23 @@ class StateCodec:
             if master_C.data_ptr() != row[lo:].data_ptr():
                 row[lo:hi].copy_(master_C)
             return
-        part = lo // NOISE_NUMBERS
-        off = _mix(self.fmt.seed, *where, part) % NOISE_NUMBERS + lo - part * NOISE_NUMBERS
+        noise_C = self.noise(where, lo, hi)
         if self.kernels is not None and row.dtype == torch.bfloat16 \
                 and master_C.is_contiguous():
-            self.kernels.encode_bf16_sr(master_C, self._noise_table()[off:], row[lo:], hi - lo)
+            self.kernels.encode_bf16_sr(master_C, noise_C, row[lo:], hi - lo)
             return
         bits_C = master_C.view(torch.int32)
-        bits_C.add_(self._noise_table()[off:off + hi - lo])
+        bits_C.add_(noise_C)
         bits_C.bitwise_and_(-65536)            # the low 16 bits: now exact in bf16
         row[lo:hi].copy_(master_C)
+
+    def noise(self, where: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        """int32 [hi - lo]: the rounding noise of numbers lo..hi (within one part of
+        NOISE_NUMBERS) of the expert and step `where` = (layer, expert, step)."""
+        part = lo // NOISE_NUMBERS
+        assert (hi - 1) // NOISE_NUMBERS == part, "noise is read within one part"
+        off = _mix(self.fmt.seed, *where, part) % NOISE_NUMBERS + lo - part * NOISE_NUMBERS
+        return self._noise_table()[off:off + hi - lo]
 
     def _noise_table(self) -> torch.Tensor:
         """int32 [2 NOISE_NUMBERS]: uniform in [0, 65536), from the format's seed, twice."""
@@ -279,7 +286,7 @@ class StateCodec:
             self._noise = torch.cat([half, half])
         return self._noise
 
-    def _int8_parts(self, row: torch.Tensor, numel: int, lo: int, hi: int
+    def int8_parts(self, row: torch.Tensor, numel: int, lo: int, hi: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes (uint8 [blocks * BLOCK]) and scales (fp32 [blocks]) of numbers lo..hi."""
         nb, b_lo, b_hi = -(-numel // BLOCK), lo // BLOCK, -(-hi // BLOCK)
@@ -297,7 +304,7 @@ class StateCodec:
         out_C = self.buffer(slot, self.chunk) if out_C is None else out_C
         if kind == "bf16":
             return out_C[:hi - lo].copy_(row[lo:hi])
-        codes, scale_n = self._int8_parts(row, numel, lo, hi)
+        codes, scale_n = self.int8_parts(row, numel, lo, hi)
         if self.kernels is not None:
             self.kernels.decode_int8(codes, scale_n, out_C, hi - lo, signed)
             return out_C[:hi - lo]
@@ -315,7 +322,7 @@ class StateCodec:
             if value_C.data_ptr() != row[lo:].data_ptr():
                 row[lo:hi].copy_(value_C)
             return
-        codes, scale_n = self._int8_parts(row, numel, lo, hi)
+        codes, scale_n = self.int8_parts(row, numel, lo, hi)
         if self.kernels is not None:
             assert value_C.is_contiguous() and value_C.dtype == torch.float32
             self.kernels.encode_int8(value_C, hi - lo, codes, scale_n, signed)

@@ -8,8 +8,9 @@ import torch
 from torch.optim.adamw import adamw
 
 from moescale.offload import codec_kernels
+from moescale.offload.compact_adamw import step_compact
 from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_MASTER
-from moescale.offload.state_format import RecordGeometry, StateCodec, StateFormat
+from moescale.offload.state_format import NOISE_NUMBERS, RecordGeometry, StateCodec, StateFormat
 from test_state_format import awkward
 
 pytestmark = pytest.mark.skipif(codec_kernels.load() is None,
@@ -52,6 +53,29 @@ def test_c_loops_are_bitwise_the_torch_ops(fmt, numel):
     fast, slow = run(fmt, None, numel), run(fmt, False, numel)
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"stage {i} differs"
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=lambda f: f.name)
+@pytest.mark.parametrize("numel", [300, NOISE_NUMBERS + 3 * 256 + 5])
+def test_one_pass_int8_adamw_is_bitwise_its_reference(fmt, numel):
+    """compact_adamw.step_compact with the C loop (decode, AdamW, encode per block) against
+    the codec's chunks and adamw_reference in torch ops, over 3 steps: every byte of the
+    record (an expert over one noise part, for a bf16 master's second part)."""
+    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    records = []
+    for kernels in (None, False):
+        geo = RecordGeometry(fmt, numel)
+        record = torch.zeros(geo.total, dtype=torch.uint8)
+        codec = StateCodec(fmt, kernels=kernels)
+        rows = tuple(geo.typed(record, pos) for pos in (POS_MASTER, POS_EXP_AVG, POS_EXP_AVG_SQ))
+        codec.encode_master(awkward(numel, seed=9).clamp(-4, 4), rows[0], (0, 1, 0))
+        gen = torch.Generator().manual_seed(3)
+        for step in (1, 2, 3):
+            grad = torch.randn(numel, generator=gen) * 10.0 ** -step
+            grad[:256] = 0.0
+            step_compact(codec, rows, grad, numel, (0, 5, step), hp, None)
+        records.append(record)
+    assert torch.equal(records[0], records[1])
 
 
 def test_exact_state_and_forced_torch_ops_take_no_kernels():
