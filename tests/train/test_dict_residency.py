@@ -138,3 +138,34 @@ def test_a_residency_of_ones_own_refuses_an_offload_tier():
     config = load_config(None, dict(TINY, **{"offload.mode": "host"}))
     with pytest.raises(ValueError, match="leave offload.tier device-only"):
         custom_residency(SPEC, config)
+
+
+@pytest.mark.parametrize("glu", ["false", "true"])
+def test_a_live_dict_residency_model_gives_its_experts_to_export_and_back(glu):
+    """consolidated_state_dict (what export_hf and export_mixtral read) and resident_model
+    find DictExperts' tensors through STATE_ACCESS: the model's own state, unchanged logits."""
+    import torch
+
+    from dict_residency import DictResidency
+    from moescale.models import consolidated_state_dict, resident_model
+    from moescale.train.exchange import LocalExchange
+    from moescale.train.model import build_model
+
+    config = load_config(None, dict(TINY, **{"model.glu": glu}))
+    torch.manual_seed(0)
+    model = build_model(config, 256)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    idx_BS = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        logits = model(idx_BS)[0]
+    DictResidency(config).prepare(model, LocalExchange())
+    assert not any("experts." in k for k in model.state_dict())     # not in the module tree
+    got = consolidated_state_dict(model)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx_BS)[0], logits, rtol=1e-5, atol=1e-6)
+        resident_model(model)
+        torch.testing.assert_close(model(idx_BS)[0], logits, rtol=1e-5, atol=1e-6)
+    assert any("experts.w1_EDF" in k for k in model.state_dict())
