@@ -3,7 +3,7 @@
 `DictResidency` keeps each expert in a dict of plain tensors and steps it with its own AdamW;
 no library file knows it. Handed over as a class (`Trainer(..., residency=DictResidency)`) or,
 for the ranks of `train_distributed`, as the string "<this folder>/dict_residency.py:
-DictResidency" (each rank imports the file), it trains every exchange of the set-up matrix
+DictResidency" (each rank imports the file; or a pickled factory), it trains every exchange of the set-up matrix
 (single process, static EP, pipelined EP with 2 chunks and with chunks/reuse auto, dynamic
 placement: 2 gloo ranks) to the losses, validation losses, grad norms and routed counts of
 single-process resident training (test_setup_matrix's reference), writes expert shards that
@@ -21,6 +21,7 @@ custom_residency).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -35,13 +36,14 @@ HERE = Path(__file__).resolve().parent
 SPEC = f"{HERE / 'dict_residency.py'}:DictResidency"
 
 
-def _train_dict(config, run_dir, ranks: int, resume: bool = False) -> dict:
-    """`config` trained with DictResidency; returns rank 0's summary."""
+def _train_dict(config, run_dir, ranks: int, resume: bool = False, residency=SPEC) -> dict:
+    """`config` trained with DictResidency (on several ranks handed over as `residency`);
+    returns rank 0's summary."""
     if ranks > 1:
         from moescale.train.launch import train_distributed
 
         code, summary = train_distributed(config, run_dir, ranks, resume=resume, quiet=True,
-                                          deadline_s=150, residency=SPEC)
+                                          deadline_s=150, residency=residency)
     else:
         from dict_residency import DictResidency
 
@@ -90,7 +92,9 @@ def test_the_dict_residency_trains_every_exchange_and_resumes_at_the_other_rank_
     _check_shards(run_dir, ref_dir, ranks)
     again = resume_copy(run_dir, tmp_path / "again", STEPS // 2)
     other = {"parallel.ep_size": "2"} if exchange == "single" else {}
-    _train_dict(_config(corpus, again, **other), again, 3 - ranks, resume=True)
+    # the 2-rank resume gets a pickled factory instead of the string
+    _train_dict(_config(corpus, again, **other), again, 3 - ranks, resume=True,
+                residency=functools.partial(custom_residency, SPEC))
     got = [r for r in run_records(again) if r["step"] > STEPS // 2]
     assert_same_run(got, want, first_step=STEPS // 2)
 
