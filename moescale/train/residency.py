@@ -67,16 +67,29 @@ def shard_role_of(exchange) -> tuple[bool, None]:
 
 
 class Resident:
-    """Every expert a parameter of the model, on the device."""
+    """Every expert a parameter of the model, on the device (`config`: unused, so that the
+    class is a factory for `residency=`)."""
 
     engine = None
     streams_experts = False
+
+    def __init__(self, config: RunConfig | None = None) -> None:
+        pass
 
     def expert_device(self) -> str | None:
         return None
 
     def prepare(self, model, exchange) -> ResidentStep:
-        return ResidentStep(exchange.groups)
+        groups = exchange.groups
+        for moe in _moes(model):
+            if groups is not None and groups.ep_size > 1 and \
+                    len(moe.experts.expert_ids) == moe.num_experts:
+                raise ValueError(
+                    f"resident experts with every expert on each of the {groups.ep_size} ranks "
+                    "that place them (dynamic placement): the dense optimizer would average "
+                    "their partial gradients, which must be summed; leave residency= out (the "
+                    "node's shared store) or give a residency that sums them")
+        return ResidentStep(groups)
 
     def shard_role(self, exchange) -> tuple[bool, None]:
         return shard_role_of(exchange)

@@ -111,11 +111,28 @@ def test_a_dict_residency_run_exports_to_hugging_face_with_its_logits(corpus, tm
     check_export(run_dir / "hf", run_dir, remote=True)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_resident_experts_handed_to_dynamic_placement_are_refused_in_one_line(corpus, tmp_path):
+    """The library's Resident would average the placement's partial gradients (summed by
+    DictStep, the shared store or sum_expert_grads): refused, not trained wrong."""
+    from moescale.train.launch import train_distributed
+
+    run_dir = tmp_path / "run"
+    config = _config(corpus, run_dir, **EXCHANGES["dynamic"])
+    with pytest.raises(RuntimeError) as err:
+        train_distributed(config, run_dir, 2, quiet=True, deadline_s=60,
+                          residency="moescale.train.residency:Resident")
+    assert "ValueError: resident experts with every expert on each of the 2 ranks that place " \
+           "them (dynamic placement)" in str(err.value)
+
+
 def test_residency_is_taken_as_an_object_a_factory_or_a_module_or_file_name():
     config = load_config(None, dict(TINY))
     resident = Resident()
     assert custom_residency(resident, config) is resident
     assert isinstance(custom_residency(lambda c: Resident(), config), Resident)
+    assert isinstance(custom_residency("moescale.train.residency:Resident", config), Resident)
     made = custom_residency(SPEC, config)
     assert type(made).__name__ == "DictResidency" and not made.replicated
     dynamic = load_config(None, dict(TINY, **{"parallel.placement": "dynamic"}))
