@@ -14,7 +14,8 @@ The format (version 1):
   `slice_experts` cuts the rows a rank owns when loading. `ModuleExperts` keep their own
   per-expert names (`<moe>.experts.experts.<e>.<param>`).
 - experts kept outside the module tree: `consolidated_state_dict(model)` reads containers that
-  declare STREAMED (offloaded by `offload_moe`, node stores) through their `state_access`
+  declare STATE_ACCESS and hold no parameter (offloaded by `offload_moe`, node stores, another
+  residency's tensors: `resident.is_offloaded`) through their `state_access`
   (moescale.layers.state_access: fp32 master copies), under the names above. Loading goes into a model before it is offloaded (build,
   `load_checkpoint`, then `offload_moe`). Dtypes are kept (fp32 masters stay fp32). Tensors
   that share storage (tied embeddings) are written once.

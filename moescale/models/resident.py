@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch import nn
 
-from moescale.dispatch.protocol import SHARD, STATE_ACCESS, STREAMED, ExpertContainer
+from moescale.dispatch.protocol import SHARD, STATE_ACCESS, ExpertContainer
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.moe import MoE
 from moescale.layers.shard import mark_expert_parameters
@@ -38,12 +38,14 @@ class OffloadedExpertsWarning(UserWarning):
 
 
 def is_offloaded(module: nn.Module) -> bool:
-    """Whether `module` is an expert container whose experts live outside its parameters (it
-    declares STREAMED and STATE_ACCESS; an ExpertShard answers through its `local`)."""
+    """Whether `module` is an expert container whose experts live outside the module tree: it
+    declares STATE_ACCESS and holds no parameter (an offloaded or node store, or any other
+    residency's tensors; an ExpertShard answers through its `local`)."""
     if not isinstance(module, ExpertContainer):
         return False
     caps = module.capabilities
-    return STREAMED in caps and STATE_ACCESS in caps and SHARD not in caps
+    return STATE_ACCESS in caps and SHARD not in caps and \
+        next(module.parameters(), None) is None
 
 
 def expert_masters(experts: nn.Module) -> list[dict[str, torch.Tensor]]:

@@ -5,7 +5,8 @@ All local ranks attach to one `ExpertStore` in shared memory (tier 'host', share
 can compute any expert and placement may change every iteration without moving weights.
 
 `SharedStoreExperts` is the expert container of one layer (no parameters). Called by the
-`DynamicPlacementDispatcher` as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`:
+`DynamicPlacementDispatcher` as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`
+(`forward_rows`, the Protocol's base path, is the same with every expert owned here):
 - forward: the grouped FFN kernel on a copy of the fp32 masters of the experts that have rows
   on this device (A of the E: gradient buffers and weight reads scale with A, not E);
 - backward: per-expert weight gradients of the rows computed here. An expert placed whole on
@@ -112,12 +113,12 @@ class _SharedStoreFn(torch.autograd.Function):
         grads = [getattr(gw, n) for n in PARAM_NAMES if getattr(gw, n) is not None]
         g_AP = torch.cat([g.reshape(len(active), -1).float() for g in grads], dim=1) \
             if active else torch.zeros(0, layer.layout.numel)
-        rank = dist.get_rank(ctx.group)
+        rank = None if ctx.owners is None else dist.get_rank(ctx.group)   # None: forward_rows
         acc_EP = layer.grad_rows()
         split = set(ctx.split)
         whole = [i for i, e in enumerate(active) if e not in split]
         for i in whole:
-            assert ctx.owners[active[i]] == rank, (active[i], ctx.owners[active[i]], rank)
+            assert rank is None or ctx.owners[active[i]] == rank, (active[i], rank)
         if whole:
             pick = torch.tensor(whole, dtype=torch.int64)
             acc_EP.index_add_(0, experts_A.index_select(0, pick), g_AP.index_select(0, pick))
@@ -183,6 +184,17 @@ class SharedStoreExperts(nn.Module):
 
     def forward_placed(self, x_RD: torch.Tensor, counts: Sequence[int], owners_E: list[int],
                        split_experts: list[int], group) -> torch.Tensor:
+        self.owners_E = list(owners_E)
+        return self._run(x_RD, counts, tuple(owners_E), tuple(split_experts), group)
+
+    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """The Protocol's base path: the placed path with every expert owned by this process
+        and none split (its gradients go straight into the store's accumulators; with several
+        processes on one store only one may call it per pass)."""
+        self.owners_E = None
+        return self._run(x_RD, counts, None, (), None)
+
+    def _run(self, x_RD, counts, owners, split, group) -> torch.Tensor:
         if x_RD.device.type != "cpu":
             raise ValueError(f"SharedStoreExperts computes on the host copy in place; the rows "
                              f"arrive on {x_RD.device}. Device copies through the offload "
@@ -191,15 +203,9 @@ class SharedStoreExperts(nn.Module):
         if compute_dtype(x_RD) != torch.float32:
             raise ValueError("SharedStoreExperts computes in fp32 on the host copy; run the "
                              "MoE layer without autocast (bf16 device copies are not done yet)")
-        self.owners_E = list(owners_E)
         anchor = self.anchor if torch.is_grad_enabled() else self.anchor.detach()
         return _SharedStoreFn.apply(anchor, x_RD.float().contiguous(), self, tuple(counts),
-                                    tuple(owners_E), tuple(split_experts), group)
-
-    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        raise ValueError("SharedStoreExperts runs under a DynamicPlacementDispatcher "
-                         "(it needs the placement's owners); build the layer with "
-                         "dynamic_placement_moe()")
+                                    owners, split, group)
 
     def expert_forward(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
         """Expert e by plain ops, no gradient (for checks)."""

@@ -8,7 +8,8 @@ only the experts it was assigned, one after another, through its own byte-budget
 computes with the compute copy and drops it.
 
 `StreamedSharedExperts` is the expert container of one layer (PLACED, STREAMED, FFN_SHAPE; no
-parameters), called as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`:
+parameters), called as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`
+(`forward_rows`, the Protocol's base path, is the same with every expert owned here):
 - forward: the experts with rows here, in ascending id, each uploaded and run by the grouped
   FFN kernel on its rows; the hidden is kept (activation policy `keep`) or recomputed in
   backward (`recompute`);
@@ -122,7 +123,7 @@ class _StreamedFn(torch.autograd.Function):
         gy_RD = gy_RD.contiguous()
         dx_RD = torch.zeros_like(x_RD) if need_dx else None
         starts = row_starts(counts)
-        rank = dist.get_rank(ctx.group)
+        rank = None if ctx.owners is None else dist.get_rank(ctx.group)   # None: forward_rows
         numel = layer.layout.numel
         slot = {e: i for i, e in enumerate(ctx.split)}
         buf_SP = torch.zeros(len(ctx.split), numel, dtype=torch.float32)
@@ -148,7 +149,7 @@ class _StreamedFn(torch.autograd.Function):
             if e in slot:
                 buf_SP[slot[e]] = g_P
             else:
-                assert ctx.owners[e] == rank, (e, ctx.owners[e], rank)
+                assert rank is None or ctx.owners[e] == rank, (e, rank)
                 layer.accumulate(e, g_P)
         if ctx.split:
             with collective_errors("split-expert gradient all-reduce", ctx.group):
@@ -232,6 +233,16 @@ class StreamedSharedExperts(nn.Module):
 
     def forward_placed(self, x_RD: torch.Tensor, counts: Sequence[int], owners_E: list[int],
                        split_experts: list[int], group) -> torch.Tensor:
+        self.owners_E = list(owners_E)
+        return self._run(x_RD, counts, tuple(owners_E), tuple(split_experts), group)
+
+    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """The Protocol's base path: the placed path with every expert owned by this process
+        and none split (gradients into the store's accumulators; one process per pass)."""
+        self.owners_E = None
+        return self._run(x_RD, counts, None, (), None)
+
+    def _run(self, x_RD, counts, owners, split, group) -> torch.Tensor:
         if x_RD.device.type != "cpu":
             raise ValueError(f"StreamedSharedExperts runs on gloo CPU ranks (a simulated "
                              f"device); the rows arrive on {x_RD.device}")
@@ -240,14 +251,9 @@ class StreamedSharedExperts(nn.Module):
                              "without autocast (train.precision fp32)")
         if not torch.is_grad_enabled() and self.before_inference is not None:
             self.before_inference()     # e.g. the disk tier's views agreed after a load
-        self.owners_E = list(owners_E)
         anchor = self.anchor if torch.is_grad_enabled() else self.anchor.detach()
         return _StreamedFn.apply(anchor, x_RD.float().contiguous(), self, tuple(counts),
-                                 tuple(owners_E), tuple(split_experts), group)
-
-    def forward_rows(self, x_RD: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        raise ValueError("StreamedSharedExperts runs under a DynamicPlacementDispatcher (it "
-                         "needs the placement's owners)")
+                                 owners, split, group)
 
     def master(self, e: int) -> torch.Tensor:
         """A copy of expert e's flat fp32 master."""

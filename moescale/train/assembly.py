@@ -7,7 +7,8 @@
 2. the exchange (exchange.py): local, static expert-parallel (plain or pipelined all-to-all),
    or dynamic placement;
 3. the residency (residency.py): resident, or offloaded into each rank's ExpertStore (host or
-   disk tier); under dynamic placement the node's shared store (shared_store/residency.py).
+   disk tier); under dynamic placement the node's shared store (shared_store/residency.py);
+   or the caller's own (`residency=`: residency.py's custom_residency).
 
 `prepare(model)` applies the library's calls to the built model in the same order (exchange,
 then residency) and keeps the expert-step handle the residency returns (moescale.expert_step:
@@ -47,7 +48,7 @@ def check_parts(config: RunConfig) -> None:
 class Assembly:
     """The parts of one run (see the module docstring)."""
 
-    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+    def __init__(self, config: RunConfig, run_dir: Path, residency=None) -> None:
         if config.parallel.ep_size is None:     # the library's "the whole world"
             config.parallel = dataclasses.replace(config.parallel,
                                                   ep_size=world_size_of_launch())
@@ -57,7 +58,8 @@ class Assembly:
         run_dir = Path(self.ranks.agree(str(run_dir)))      # rank 0's choice
         self.run_dir = run_dir
         self.exchange = make_exchange(config, self.ranks)
-        self.residency = make_residency(config, run_dir, self.ranks, self.exchange)
+        self.residency = make_residency(config, run_dir, self.ranks, self.exchange,
+                                        custom=residency)
         self.step = None
         self.state = None
 
@@ -111,6 +113,7 @@ class Assembly:
         self.exchange.close()
 
 
-def assemble(config: RunConfig, run_dir: str | Path) -> Assembly:
-    """The parts of a run of `config` in `run_dir` (see the module docstring)."""
-    return Assembly(config, Path(run_dir))
+def assemble(config: RunConfig, run_dir: str | Path, residency=None) -> Assembly:
+    """The parts of a run of `config` in `run_dir` (see the module docstring); `residency`:
+    the caller's own instead of `[offload]`'s (residency.py: custom_residency)."""
+    return Assembly(config, Path(run_dir), residency)

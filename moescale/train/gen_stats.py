@@ -62,8 +62,8 @@ class GenerationMeter:
 
     def __init__(self, model, engine=None) -> None:
         self.moes = [m for m in model.modules() if isinstance(m, MoE)]
-        self.store = getattr(engine, "store", None)     # an OffloadEngine's ExpertStore
-        disk = getattr(self.store, "disk", None)
+        self.store = None if engine is None else engine.store   # an OffloadEngine's store
+        disk = None if self.store is None else self.store.disk
         self.master_bytes = max(geo.strides[POS_MASTER] for geo in disk.geometries) \
             if disk is not None and disk.numels else 0      # a master row, in its format
         self.phases = {"prefill": Phase(), "decode": Phase()}

@@ -4,7 +4,9 @@
 assembly.py builds one of each (exchange.py: make_exchange; residency.py: make_residency) and
 talks to them only through these methods; no code asks which class or `kind` it holds. A new
 exchange or residency is one class that has them (a residency may live outside train/, as
-moescale.shared_store.residency's do, and needs to import nothing from here).
+moescale.shared_store.residency's do, and needs to import nothing from here); a residency of
+the caller's own reaches the trainer as `Trainer(config, run_dir, residency=...)`
+(residency.py: custom_residency; tests/train/dict_residency.py is one in one file).
 
 The order of a run: `exchange.prepare(model)` (shards or re-dispatches the MoE layers), then
 `residency.prepare(model, exchange)`, which moves the experts where they live and returns the

@@ -16,11 +16,19 @@ Each rank's store (disk tier) lives under `<offload.directory or run_dir/expert-
 `rank<r>/` on a multi-process run. Under dynamic placement the residency is the node's shared
 store streamed through each rank's device (`DynamicOffload`, shared_store/residency.py).
 Checkpoints (each rank's experts in its own shard) are run_state.py's.
+
+A residency of the caller's own (`Trainer(config, run_dir, residency=...)`,
+`train_distributed(..., residency=...)`) replaces the one `[offload]` would pick:
+`custom_residency` takes an object meeting parts.py's `Residency`, a factory called with the
+run config, or the string "package.module:name" / "path/to/file.py:name" naming either (a
+string survives process spawn: each rank imports it). docs/architecture.md, "A new residency".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 
 import os
 import shutil
@@ -37,6 +45,7 @@ from moescale.offload.state_format import RecordGeometry
 from moescale.offload.stepping import OffloadStep, dir_bytes
 from moescale.offload.store import default_host_cache
 from moescale.train.config import RunConfig
+from moescale.train.parts import Residency
 
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -58,16 +67,29 @@ def shard_role_of(exchange) -> tuple[bool, None]:
 
 
 class Resident:
-    """Every expert a parameter of the model, on the device."""
+    """Every expert a parameter of the model, on the device (`config`: unused, so that the
+    class is a factory for `residency=`)."""
 
     engine = None
     streams_experts = False
+
+    def __init__(self, config: RunConfig | None = None) -> None:
+        pass
 
     def expert_device(self) -> str | None:
         return None
 
     def prepare(self, model, exchange) -> ResidentStep:
-        return ResidentStep(exchange.groups)
+        groups = exchange.groups
+        for moe in _moes(model):
+            if groups is not None and groups.ep_size > 1 and \
+                    len(moe.experts.expert_ids) == moe.num_experts:
+                raise ValueError(
+                    f"resident experts with every expert on each of the {groups.ep_size} ranks "
+                    "that place them (dynamic placement): the dense optimizer would average "
+                    "their partial gradients, which must be summed; leave residency= out (the "
+                    "node's shared store) or give a residency that sums them")
+        return ResidentStep(groups)
 
     def shard_role(self, exchange) -> tuple[bool, None]:
         return shard_role_of(exchange)
@@ -264,11 +286,53 @@ def check_residency(config: RunConfig) -> None:
                          "between the node's barriers; use offload.step_mode deferred")
 
 
-def make_residency(config: RunConfig, run_dir: Path, ranks, exchange):
+def _named(spec: str):
+    """The object "package.module:name" or "path/to/file.py:name" names."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"residency={spec!r} must be 'package.module:name' or "
+                         "'path/to/file.py:name' (a Residency or a factory taking the config)")
+    try:
+        if where.endswith(".py"):
+            found = importlib.util.spec_from_file_location(Path(where).stem, where)
+            if found is None or not Path(where).is_file():
+                raise ImportError(f"no file {where!r}")
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as err:
+        raise ValueError(f"residency={spec!r}: cannot import {where!r} ({err}); give an "
+                         "importable module or an existing .py file") from None
+    if not hasattr(module, name):
+        raise ValueError(f"residency={spec!r}: {where!r} has no {name!r}")
+    return getattr(module, name)
+
+
+def custom_residency(spec, config: RunConfig):
+    """The caller's residency (module docstring): `spec` is a Residency, a factory taking the
+    config, or a string naming either."""
+    if config.offload.tier != "device-only":
+        raise ValueError(f"residency={spec!r} with offload.tier={config.offload.tier!r}: the "
+                         "given residency decides where the experts live; leave offload.tier "
+                         "device-only")
+    found = _named(spec) if isinstance(spec, str) else spec
+    factory = isinstance(found, type) or (callable(found) and not isinstance(found, Residency))
+    made = found(config) if factory else found
+    if not isinstance(made, Residency):
+        raise ValueError(f"residency={spec!r} gave a {type(made).__name__}, which is not a "
+                         "moescale.train.parts.Residency (it needs engine, streams_experts, "
+                         "expert_device, prepare, shard_role, describe, close)")
+    return made
+
+
+def make_residency(config: RunConfig, run_dir: Path, ranks, exchange, custom=None):
     """The residency `config.offload` asks for; under dynamic placement the node's shared store
     (moescale.shared_store.residency): computed in place (device-only) or streamed through each
-    rank's device (host, disk)."""
+    rank's device (host, disk). `custom`: the caller's own (custom_residency), instead."""
     check_residency(config)
+    if custom is not None:
+        return custom_residency(custom, config)
     if config.parallel.placement == "dynamic":   # the node's shared store (shared_store/)
         from moescale.shared_store.residency import DynamicOffload, SharedResident
 

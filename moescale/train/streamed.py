@@ -186,54 +186,87 @@ def open_run(run_dir: str | Path, *, experts: str = "auto", memory: int | None =
     if batch < 1:
         raise ValueError(f"batch={batch!r} must be >= 1")
     config = run_config(run_dir)
-    kind = resolve_experts(experts, memory, config.offload.tier)
-    device = torch.device(device)
-    if kind == "resident":
+    where = GENERATION[resolve_experts(experts, memory, config.offload.tier)]
+    return where.open(run_dir, config, step, torch.device(device), memory, batch)
+
+
+class ResidentGeneration:
+    """`experts="resident"`: the experts parameters of the model (moescale.load_run)."""
+
+    name = "resident"
+
+    def open(self, run_dir, config, step, device, memory, batch) -> OpenRun:
         model, config, _ = load_run_offloaded(run_dir, step, device, None)
         release_freed_memory()
-        return OpenRun(model, config, kind)
-    state = {}
+        return OpenRun(model, config, self.name)
 
-    def offload(model):
-        directory = None
-        state_format = config.offload.state      # the run's record format: masters as trained
-        changes = dict(master=state_format.master, moments=state_format.moments)
-        if kind == "disk":
-            plan = memory_plan(model, memory, batch, state_format) if memory is not None \
-                else None
-            state["plan"] = plan
-            if state.get("directory") is None:
-                remove_stale_stores(run_dir)
-                try:
-                    state["directory"] = Path(tempfile.mkdtemp(
-                        prefix=f"{STORE_PREFIX}{os.getpid()}-", dir=run_dir))
-                except OSError as err:
-                    raise ValueError(f"cannot create the generation store in {str(run_dir)!r} "
-                                     f"({err.strerror}); the disk tier needs a writable run "
-                                     "directory (its checkpoint's records are linked there)")
-            directory = str(state["directory"])
-            if plan is not None:     # whole-record slots while loading, master slots after
-                changes["host_cache_bytes"] = max(plan.host_cache, 2 * plan.record_bytes)
-        oc = OffloadConfig(tier=kind, directory=directory, device=device.type,
-                           device_budget_experts=DEVICE_EXPERTS, compute_dtype="float32",
-                           reserve_disk=False, **changes)   # its records are adopted
-        # masters are left zero (not written on disk): the checkpoint's shards fill them
-        return offload_moe(model, oc, expert_init=lambda layer, e, layout: None)
 
-    plan, engine = None, None
-    try:
-        model, config, engine = load_run_offloaded(run_dir, step, device, offload)
-        plan = state.get("plan")     # generation reads masters: slots of one master each
-        engine.store.set_slot_rows(M, plan.host_cache if plan is not None else None)
-        engine.cache.borrow = can_borrow(engine)
-    except BaseException:
-        if engine is not None:
-            engine.close()
-        if state.get("directory") is not None:
-            shutil.rmtree(state["directory"], ignore_errors=True)
-        raise
-    release_freed_memory()
-    return OpenRun(model, config, kind, engine, state.get("directory"), plan)
+class HostGeneration:
+    """`experts="host"`: a host-tier ExpertStore filled from the checkpoint's shards."""
+
+    name = "host"
+
+    def store_options(self, run_dir, model, state_format, memory, batch, state: dict) -> dict:
+        """The OffloadConfig fields of this tier beyond the common ones (`state` keeps what
+        open() needs after loading: "plan", "directory")."""
+        return {}
+
+    def open(self, run_dir, config, step, device, memory, batch) -> OpenRun:
+        state = {}
+
+        def offload(model):
+            state_format = config.offload.state      # the run's record format: masters as trained
+            changes = dict(directory=None, master=state_format.master,
+                           moments=state_format.moments)
+            changes.update(self.store_options(run_dir, model, state_format, memory, batch,
+                                              state))
+            oc = OffloadConfig(tier=self.name, device=device.type,
+                               device_budget_experts=DEVICE_EXPERTS, compute_dtype="float32",
+                               reserve_disk=False, **changes)   # its records are adopted
+            # masters are left zero (not written on disk): the checkpoint's shards fill them
+            return offload_moe(model, oc, expert_init=lambda layer, e, layout: None)
+
+        plan, engine = None, None
+        try:
+            model, config, engine = load_run_offloaded(run_dir, step, device, offload)
+            plan = state.get("plan")     # generation reads masters: slots of one master each
+            engine.store.set_slot_rows(M, plan.host_cache if plan is not None else None)
+            engine.cache.borrow = can_borrow(engine)
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            if state.get("directory") is not None:
+                shutil.rmtree(state["directory"], ignore_errors=True)
+            raise
+        release_freed_memory()
+        return OpenRun(model, config, self.name, engine, state.get("directory"), plan)
+
+
+class DiskGeneration(HostGeneration):
+    """`experts="disk"`: a disk-tier ExpertStore in a fresh directory inside RUN_DIR, its host
+    cache sized by `memory` (memory_plan)."""
+
+    name = "disk"
+
+    def store_options(self, run_dir, model, state_format, memory, batch, state: dict) -> dict:
+        plan = memory_plan(model, memory, batch, state_format) if memory is not None else None
+        state["plan"] = plan
+        if state.get("directory") is None:
+            remove_stale_stores(run_dir)
+            try:
+                state["directory"] = Path(tempfile.mkdtemp(
+                    prefix=f"{STORE_PREFIX}{os.getpid()}-", dir=run_dir))
+            except OSError as err:
+                raise ValueError(f"cannot create the generation store in {str(run_dir)!r} "
+                                 f"({err.strerror}); the disk tier needs a writable run "
+                                 "directory (its checkpoint's records are linked there)")
+        changes = dict(directory=str(state["directory"]))
+        if plan is not None:     # whole-record slots while loading, master slots after
+            changes["host_cache_bytes"] = max(plan.host_cache, 2 * plan.record_bytes)
+        return changes
+
+
+GENERATION = {g.name: g for g in (ResidentGeneration(), HostGeneration(), DiskGeneration())}
 
 
 def can_borrow(engine) -> bool:

@@ -1,6 +1,6 @@
 """The training loop of `moescale train`: build, (resume), step, evaluate, checkpoint, summarise.
 
-`Trainer(config, run_dir, resume=...)` builds the data streams, the GPT MoE model and AdamW from
+`Trainer(config, run_dir, resume=..., residency=...)` builds the data streams, the GPT MoE model and AdamW from
 a `RunConfig`; `run()` trains to `train.steps`, then prints a summary (train / validation loss,
 tokens/s, peak memory, the offload plan) and a short generated sample, and writes report.png.
 Each optimizer step runs `train.grad_accum` micro-batches (bf16 autocast when
@@ -30,7 +30,9 @@ ranks (one process or a torch.distributed world: each rank's slice of a batch, r
 logged numbers), the exchange (shards the MoE layers, averages gradients over the ranks, adds
 per-step load numbers), the residency (resident or offloaded experts) with its expert-step
 handle (clips and steps the experts), and the checkpoint state (run_state.py: sharded,
-single-process format). Only rank 0 writes files and prints.
+single-process format). `residency=` hands the trainer a residency of the caller's own instead
+of the one `[offload]` picks (a parts.Residency, a factory taking the config, or
+"module:name"; residency.py: custom_residency). Only rank 0 writes files and prints.
 
 Deliberately not here: the parts themselves, process launch (torchrun, or
 launch.train_distributed), the CLI parsing (cli.py), the end-of-run summary (summary.py), the
@@ -88,7 +90,7 @@ class Trainer:
     """One training run in `run_dir` (see the module docstring)."""
 
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False,
-                 out=None, err=None) -> None:
+                 out=None, err=None, residency=None) -> None:
         check_parts(config)
         check_threads(config.train.threads)     # before a thread or a byte is spent
         check_run_dir(run_dir)
@@ -97,7 +99,7 @@ class Trainer:
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         tc = config.train
-        self.parts = assemble(config, run_dir)
+        self.parts = assemble(config, run_dir, residency)
         self.ranks = self.parts.ranks
         self.run_dir = self.parts.run_dir     # rank 0's choice
         self.writer = self.ranks.writer
@@ -389,7 +391,7 @@ class Trainer:
         tok = self.data.tokenizer       # None: a .bin of ids with no tokenizer to decode them
         ids = (tok.encode(prompt) if tok else []) or [int(self.data.val[0])]
         idx_1S = torch.tensor([ids], dtype=torch.int64, device=self.device)
-        engine = getattr(self.parts.residency, "engine", None)
+        engine = self.parts.residency.engine
         self.sample_meter = GenerationMeter(self.model, engine)
         with self._autocast(), generation_mode(engine):   # the host cache holds masters
             out = self.model.generate(idx_1S, n, temperature=temperature, top_k=40,
