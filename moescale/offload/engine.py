@@ -137,15 +137,12 @@ class OffloadEngine:
                                  ema_decay=cfg.ema_decay)
 
     # ----------------------------------------------------------------- schedule
-    def forward_order(self, layer: int, counts, traced: bool) -> list[int]:
-        """The forward's expert order (experts with rows, pinned first); a traced forward
-        (one that will have a backward) is remembered for the backward's schedule."""
-        return self.chunk_orders(layer, [counts], traced)[0]
-
     def chunk_orders(self, layer: int, chunk_counts, traced: bool) -> list[list[int]]:
-        """forward_order of a call cut into chunks (a pipelined exchange runs chunk k's rows
-        of every expert, k = 0..C-1): each chunk's order; the trace and the disk tier's
-        schedule see the chunks one after another. Snake order: odd chunks take their
+        """The forward's expert order per chunk (one chunk: the unpipelined call; a pipelined
+        exchange runs chunk k's rows of every expert, k = 0..C-1): the experts with rows,
+        pinned first; a traced call (one that will have a backward) is remembered for the
+        backward's schedule, and the trace and the disk tier's schedule see the chunks one
+        after another. Snake order: odd chunks take their
         experts in descending order (pinned ones still first), so chunk k+1 starts with the
         experts chunk k ended with and the device cache's walk reuses their copies instead
         of uploading them again (cache.py, retention)."""
@@ -164,9 +161,6 @@ class OffloadEngine:
             self.store.set_upcoming([((layer, e), M) for e in flat] + self._backward_keys(),
                                     keep=self.optimizer.pending)
         return orders
-
-    def backward_order(self, layer: int, forward_order: list[int], last: bool) -> list[int]:
-        return self.chunk_backward_orders(layer, [forward_order], last, {})[0]
 
     def chunk_backward_orders(self, layer: int, orders: list[list[int]], last: bool,
                               last_chunk: dict[int, int]) -> list[list[int]]:
@@ -209,6 +203,28 @@ class OffloadEngine:
         """Declare whether the coming forward/backward is the last of this step's micro-batches
         (eager mode steps experts during that backward)."""
         self.last_micro_batch = bool(last)
+
+    # ----------------------------------------------------------------- the stream's face
+    @property
+    def activation_policy(self) -> str:
+        return self.config.activation_policy
+
+    def walk(self, layer: int, order: list[int], grad_bytes: int = 0):
+        """The device cache's walk (cache.py); grad_bytes > 0: backward's, with room for one
+        gradient and the whole record cached for it (the disk tier reads it once)."""
+        return self.cache.walk(layer, order, headroom=grad_bytes, whole_record=grad_bytes > 0)
+
+    def reserve_gradient(self, key: Key, nbytes: int):
+        """An expert's gradient on the device, charged to the budget until the host has it."""
+        return self.device.reserve(nbytes, f"gradient of expert {key}", block=True,
+                                   async_release=True)
+
+    def stash(self, hidden: list[torch.Tensor]):
+        """The offload policy: a hidden activation copied to the host until backward."""
+        return self.device.download(hidden)
+
+    def unstash(self, stashed) -> list[torch.Tensor]:
+        return self.device.upload(stashed.wait()).wait()
 
     def hand_gradient(self, key: Key, grads, reservation, last: bool) -> None:
         if isinstance(self.device, SimulatedDevice):
