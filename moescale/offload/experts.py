@@ -1,6 +1,8 @@
 """OffloadedExperts: grouped FFN/GLU experts whose weights stream from an ExpertStore.
 
-One autograd Function, `OffloadedExpertsFn`, does the whole expert stage of a layer:
+One autograd Function, `OffloadedExpertsFn`, does the whole expert stage of an unpipelined
+call; it is the one-chunk case of the offload package's one expert stream
+(chunked.py: `StreamedChunkRunner`, which a pipelined exchange drives chunk by chunk):
 - forward walks the experts that received rows, in schedule order (pinned experts first, then
   ascending id), each through the DeviceCache (expert i+1 uploads while expert i computes),
   runs the grouped kernel `ffn_forward` on that expert's rows with a single-expert weight slice,
@@ -20,10 +22,12 @@ The containers are expert containers (moescale.dispatch.protocol) declaring ROUT
 drives them chunk by chunk, chunked.py); `forward_rows(x_RD, counts)` takes rows already
 grouped (the all-to-all dispatchers). Grouped ones add FFN_SHAPE (the pipeline's cost model).
 
-The per-expert math is the container's: `OffloadedGroupedExperts` here (the grouped kernels on a
-single-expert weight slice), `OffloadedModuleExperts` in module_experts.py (functional_call).
+The per-expert math is the container's: `GroupedExpertMath` here (the grouped kernels on a
+single-expert weight slice; also the node's streamed shared store's), `OffloadedModuleExperts`
+in module_experts.py (functional_call).
 
-Deliberately not here: the cache's eviction policy (cache.py), the optimizer (optimizer.py).
+Deliberately not here: the stream's loops (chunked.py), the cache's eviction policy
+(cache.py), the optimizer (optimizer.py).
 
 Legend: T tokens, R rows grouped by expert, N rows of one expert, D model width,
 F expert hidden width, P parameters of one expert.
@@ -89,10 +93,10 @@ class OffloadedExpertsBase(nn.Module):
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)
-        if dtype != self.engine.cache.dtype:
-            raise ValueError(f"offloaded experts compute in {self.engine.cache.dtype} but the "
+        if dtype != self.engine.dtype:
+            raise ValueError(f"offloaded experts compute in {self.engine.dtype} but the "
                              f"input arrives in {dtype}; set OffloadConfig(compute_dtype="
-                             f"{dtype}) or feed {self.engine.cache.dtype}")
+                             f"{dtype}) or feed {self.engine.dtype}")
         return x.to(dtype).contiguous()
 
     @property
