@@ -302,6 +302,11 @@ class OffloadEngine:
         return self.device.budget_bytes
 
     @property
+    def device_peak_bytes(self) -> int:
+        """The most bytes the device's ledger has held at once."""
+        return int(self.device.peak_bytes)
+
+    @property
     def num_uploads(self) -> int:
         """Expert copies uploaded to the device so far."""
         return self.cache.num_uploads
@@ -315,7 +320,7 @@ class OffloadEngine:
         """The device's peak and budget, and the store tier's own figures (the disk tier's
         files and I/O bytes), after synchronize()."""
         self.synchronize()
-        return {"device_peak_bytes": int(self.device.peak_bytes),
+        return {"device_peak_bytes": self.device_peak_bytes,
                 "device_budget_bytes": self.device.budget_bytes, **self.store.tier_memory()}
 
     def take_wait_s(self) -> float:

@@ -8,9 +8,9 @@ only the experts it was assigned, one after another, through its own byte-budget
 computes with the compute copy and drops it.
 
 `StreamedSharedExperts` is the expert container of one layer (PLACED, STREAMED, FFN_SHAPE; no
-parameters), called as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`:
-The experts stream through the offload package's one per-expert stream (offload/chunked.py:
-`StreamedChunkRunner`, this pass its host) with the offloaded experts' grouped math:
+parameters), called as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)` and
+run by the offload package's one per-expert stream (offload/chunked.py: `StreamedChunkRunner`,
+with `_PlacedPass` as its host) on the offloaded experts' grouped math (`GroupedExpertMath`):
 - forward: the experts with rows here, in ascending id, each uploaded and run by the grouped
   FFN kernel on its rows; the hidden is kept (activation policy `keep`) or recomputed in
   backward (`recompute`);
