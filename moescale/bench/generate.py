@@ -163,11 +163,11 @@ def run(args) -> dict:
             model.generate(idx_1S, 4, temperature=0)
         engine.store.drop_cache()
         meter = GenerationMeter(model, engine)
-        wait0 = engine.cache.wait_seconds
+        wait0 = engine.wait_seconds
         with torch.no_grad():
             model.generate(idx_1S, args.tokens, temperature=args.temperature,
                            generator=torch.Generator().manual_seed(1), on_token=meter.on_token)
-        wait_s = engine.cache.wait_seconds - wait0
+        wait_s = engine.wait_seconds - wait0
         stats = meter.summary()
         if args.prefetch:
             engine.store.drop_cache()

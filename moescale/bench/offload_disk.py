@@ -202,7 +202,7 @@ def _child(args) -> dict:
             proc_stats.reset_peak_rss()
         store.disk.verify_reads = not args.verify_ab or i == 0 or (i - 1) % 4 in (0, 3)
         hashed0, hash_s0 = io.bytes_verified, io.verify_s
-        read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.cache.wait_seconds
+        read0, written0, wait0 = store.bytes_read, store.bytes_written, engine.wait_seconds
         optim0, optim_cpu0 = engine.optimizer.step_seconds, engine.optimizer.step_cpu_seconds
         cached0 = proc_stats.page_cache_bytes()
         dev_io.take(), busy.take()
@@ -220,7 +220,7 @@ def _child(args) -> dict:
             bytes_written=store.bytes_written - written0, device_read_bytes=dev_read,
             device_write_bytes=dev_written, disk_busy_s=busy.take(),
             page_cache_growth_bytes=proc_stats.page_cache_bytes() - cached0,
-            upload_wait_s=engine.cache.wait_seconds - wait0,
+            upload_wait_s=engine.wait_seconds - wait0,
             user_cpu_s=cpu1.user - cpu0.user, system_cpu_s=cpu1.system - cpu0.system,
             optimizer_s=engine.optimizer.step_seconds - optim0,
             optimizer_cpu_s=engine.optimizer.step_cpu_seconds - optim_cpu0,
@@ -246,7 +246,7 @@ def _child(args) -> dict:
               flush=True)
     steps_peak_rss = proc_stats.peak_rss_bytes()
     peak_cache = store.peak_cache_bytes
-    device_peak, device_budget = engine.device.peak_bytes, engine.device.budget_bytes
+    device_peak, device_budget = engine.device_peak_bytes, engine.device_budget_bytes
     direct = store.disk.io.direct
     cold = [store.path(k) for k in store.keys()]
     random.Random(1).shuffle(cold)

@@ -40,18 +40,21 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from moescale.offload.direct_io import DirectIO, SlotPool, align_up, gather
-from moescale.offload.record_files import write_layer_files
-from moescale.offload.records import ALL, POS_GRAD, STATE, G, rows_of
+from moescale.offload.disk_setup import DiskSetUp
+from moescale.offload.disk_writeback import DiskWriteBack
+from moescale.offload.records import ALL, POS_GRAD, STATE, G, M, rows_of
 from moescale.offload.schedule import AccessSchedule
 from moescale.offload.state_format import RecordGeometry, StateFormat
+from moescale.offload.stepping import dir_bytes
+from moescale.offload.store_types import LOGICAL_POS, ExpertRecord, Key, default_host_cache
 
-Key = tuple[int, int]
 ROW_NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")    # by row position (records.py)
 
 
@@ -67,14 +70,15 @@ class _Entry:
     error: BaseException | None = None
 
 
-class DiskTier:
+class DiskTier(DiskSetUp, DiskWriteBack):
     """Expert records in files, cached in a fixed pool of host slots (thread-safe)."""
 
     def __init__(self, directory: str, host_cache_bytes: int, io_threads: int = 4,
                  pin_memory: bool = False, max_reads: int = 2, max_writes: int = 2,
                  direct_io: bool = True, state: StateFormat = StateFormat(),
-                 verify_reads: bool = True) -> None:
+                 verify_reads: bool = True, reserve_disk: bool = True) -> None:
         self.directory, self.host_cache_bytes = directory, host_cache_bytes
+        self.reserve_disk = reserve_disk     # False: no free-space checks (none written)
         self.verify_reads = verify_reads          # check every read against self.sums
         self.state = state
         self.geometries: list[RecordGeometry] = []    # row offsets per layer
@@ -97,6 +101,18 @@ class DiskTier:
         self.peak_cache_bytes = 0
         self.grad_rows_moved = 0                  # gradient rows read or written (spills)
         self._closed = False                      # close() began: no new I/O
+        self.layouts: list = []                   # per layer: its ExpertLayout and count
+        self.counts: list[int] = []
+        self._need = 0          # bytes of expert files announced (reserve) or written
+        self._dir_lock = None   # the directory, owned while open (moescale/dir_lock.py)
+        self._waits = threading.local()   # per thread: seconds blocked in acquires
+
+    @classmethod
+    def for_store(cls, config) -> "DiskTier":
+        """The tier of a StoreConfig(tier='disk')."""
+        return cls(config.directory, config.host_cache_bytes or 0, config.io_threads,
+                   config.pin_memory, direct_io=config.direct_io, state=config.state,
+                   verify_reads=config.verify_reads, reserve_disk=config.reserve_disk)
 
     # ----------------------------------------------------------------- geometry
     def stride(self, layer: int) -> int:
@@ -121,23 +137,6 @@ class DiskTier:
         pool = self.pool
         return 0 if pool is None else (len(pool) - pool.num_free) * pool.slot_bytes
 
-    # ----------------------------------------------------------------- set-up
-    def register_layer(self, numel: int) -> int:
-        """Know a layer of experts of numel parameters (its files are written elsewhere)."""
-        self.numels.append(numel)
-        self.geometries.append(RecordGeometry(self.state, numel))
-        return len(self.numels) - 1
-
-    def add_layer(self, numel: int, num_experts: int, init) -> None:
-        """Write the layer's files (record_files.py: init(e) as the master, None: zero and
-        unwritten; zero moments as a sparse tail; a previous run's files unlinked first)."""
-        layer = self.register_layer(numel)
-        for e, sums in enumerate(write_layer_files(
-                self.io, self._layer_dir(layer), lambda e: self.path((layer, e), 0),
-                self.geometries[layer], num_experts, init)):
-            self.sums[(layer, e)] = sums
-            self.gen[(layer, e)] = 0
-
     def _ensure_pool(self) -> None:
         if self.pool is not None:
             return
@@ -146,6 +145,72 @@ class DiskTier:
         num = self.host_cache_bytes // slot_bytes
         assert num >= 2, "the store checks that the host cache holds two records"
         self.pool = SlotPool(num, slot_bytes, pin=self.pin_memory)
+
+    # ----------------------------------------------------------------- the store's face
+    def geometry(self, layer: int) -> RecordGeometry:
+        """Where a record's rows lie in its file and slot (4 KiB rows)."""
+        return RecordGeometry(self.state, self.numels[layer])
+
+    def record(self, key: Key, rows: int, step_t: torch.Tensor) -> ExpertRecord:
+        """The record of key with `rows` loaded, pinned until release (blocks on reads)."""
+        self._ensure_cache()
+        self._check_rows(rows)
+        start = time.perf_counter()
+        entry = self.acquire(key, rows)
+        self._waits.seconds = self.thread_read_wait_s() + time.perf_counter() - start
+        return ExpertRecord(key, [self.row_view(entry, pos) for pos in LOGICAL_POS], step_t)
+
+    def thread_read_wait_s(self) -> float:
+        """Seconds the calling thread has spent in acquires (waiting for a cache slot and the
+        record's read; a cached record costs microseconds)."""
+        return getattr(self._waits, "seconds", 0.0)
+
+    def _check_rows(self, rows: int) -> None:
+        if rows & ~self.slot_rows:
+            raise ValueError(f"an access of rows {rows:#x}, but the host slots hold rows "
+                             f"{self.slot_rows:#x} only (set_slot_rows(records.ALL) first)")
+
+    def _ensure_cache(self) -> None:
+        if not self.host_cache_bytes:   # the default: decided once every layer is known
+            record = max(self.record_bytes(lay) for lay in range(len(self.numels)))
+            self.host_cache_bytes = default_host_cache(
+                record, sum(lay.record_bytes(self.state) * n
+                            for lay, n in zip(self.layouts, self.counts)))
+
+    def announce(self, accesses, keep=None) -> None:
+        """The expected order of the next accesses, (key, rows) each, for eviction and
+        read-ahead; pending accesses of the old list for which keep(key) is true (work
+        already queued) stay in front."""
+        accesses = list(accesses)
+        self._ensure_cache()
+        for _, rows in accesses:
+            self._check_rows(rows)
+        kept = [a for a in self.pending_accesses() if keep(a[0])] if keep is not None else []
+        self.set_upcoming(kept + accesses)
+
+    def set_slot_rows(self, rows: int, host_cache_bytes: int | None = None) -> None:
+        """Size the host slots for a record's leading rows `rows` in `host_cache_bytes`
+        (default: as now), after a write-back and drop (ExpertStore.set_slot_rows)."""
+        assert rows in (M, STATE, ALL), f"rows={rows:#x}: M, STATE or ALL"
+        self.announce([])      # forget the old schedule (and size a default cache)
+        cache = self.host_cache_bytes if host_cache_bytes is None else host_cache_bytes
+        slot = max(geo.offsets[max(rows_of(rows)) + 1] for geo in self.geometries)
+        if cache < 2 * slot:
+            raise ValueError(f"host_cache_bytes={cache} holds fewer than two slots of {slot} "
+                             f"bytes; raise it to at least {2 * slot}")
+        self.flush(drop=True)
+        assert not self.cache_bytes(), "set_slot_rows while expert records are acquired"
+        self.pool.close()
+        self.pool, self.slot_rows, self.host_cache_bytes = None, rows, cache
+
+    def host_bytes(self) -> int:
+        """Records held in RAM between accesses: none (the slots are the cache's)."""
+        return 0
+
+    def memory(self) -> dict:
+        """Its files' bytes and the bytes read and written so far."""
+        return {"disk_bytes": dir_bytes(self.directory), "disk_read_bytes": int(self.bytes_read),
+                "disk_written_bytes": int(self.bytes_written)}
 
     # ----------------------------------------------------------------- views
     def row_view(self, entry: _Entry, pos: int) -> torch.Tensor:
@@ -338,99 +403,6 @@ class DiskTier:
             self._peak()
             self._start_read(entry, rows)
 
-    # ----------------------------------------------------------------- write-back
-    def _start_write(self, entry: _Entry, evict: bool) -> None:
-        """Write the entry's dirty rows on a coordinator thread (lock held)."""
-        key = entry.key
-        cow = key in self.frozen
-        rows = entry.dirty
-        if cow:   # a new file holds everything that persists; the old one stays linked
-            rows |= STATE | (G if key in self.grad_on_disk or entry.dirty & G else 0)
-        need = rows & ~entry.valid
-        old_path = self.path(key)
-        new_gen = self.gen[key] + 1 if cow else self.gen[key]
-        try:
-            busy = self._writeback.submit(self._write_rows, entry, rows, self._expected(key, need),
-                                          old_path, self.path(key, new_gen), cow)
-        except RuntimeError:   # shut down (interpreter exit): the entry stays dirty
-            return
-        self._writes += 1
-        self.grad_rows_moved += bool(rows & G)
-        entry.evict = evict
-        entry.busy = busy
-        entry.busy.add_done_callback(lambda f: self._write_done(entry, rows, new_gen, cow, f))
-
-    def _write_rows(self, entry: _Entry, rows: int, need: dict[int, list[int] | None],
-                    old_path: str, path: str, cow: bool) -> dict[int, list[int]]:
-        """Write `rows` of the entry to path (cow: a new file), the rows of `need` first read
-        from old_path (verified: a damaged row is never copied into a file with fresh sums)."""
-        key = entry.key
-        for read in self._read_rows(entry, old_path, need):
-            read.result()
-        try:
-            if cow:
-                self.io.close_fd(self.io.open(path, create=True))
-                os.truncate(path, self.record_bytes(key[0]))
-            futures = {p: self.io.write(path, self.offset(key, p), self._span(entry, p, 1))
-                       for p in rows_of(rows)}
-            return {p: f.result() for p, f in futures.items()}
-        except OSError as err:
-            raise OSError(err.errno, f"write-back of expert {entry.key}: {err.strerror}") \
-                from err
-
-    def _write_done(self, entry: _Entry, rows: int, new_gen: int, cow: bool,
-                    future: Future) -> None:
-        with self._lock:
-            self._writes -= 1
-            entry.busy = None
-            key = entry.key
-            if future.exception() is not None:
-                entry.error = future.exception()
-                entry.evict = False
-            else:
-                if cow:
-                    self.frozen.discard(key)
-                    self.gen[key] = new_gen
-                    self.sums[key] = {}
-                    old = self.path(key, new_gen - 1)
-                    try:
-                        os.unlink(old)     # the checkpoint keeps its own link
-                    except FileNotFoundError:
-                        pass
-                self.sums[key].update(future.result())
-                entry.valid |= rows & ~entry.valid
-                entry.dirty = 0
-                if rows & G:
-                    self.grad_on_disk.add(key)
-                if entry.evict and not entry.pins:
-                    del self._cache[key]
-                    self.pool.give(entry.slot)
-                entry.evict = False
-            self._changed.notify_all()
-            self._pump()
-
-    def flush(self, drop: bool = False) -> None:
-        """Write every dirty entry back and wait (drop: also empty the cache)."""
-        if self.pool is None:
-            return
-        with self._lock:
-            while True:
-                errors = [e for e in self._cache.values() if e.error is not None and not e.busy]
-                if errors:
-                    error, errors[0].error = errors[0].error, None
-                    raise error
-                todo = [e for e in self._cache.values()
-                        if e.dirty and not e.pins and e.busy is None]
-                busy = [e for e in self._cache.values() if e.busy is not None]
-                for entry in todo:
-                    self._start_write(entry, evict=False)
-                if not todo and not busy:
-                    break
-                self._changed.wait()
-            if drop:
-                for entry in list(self._cache.values()):
-                    self._drop_if_idle(entry)
-
     def close(self) -> None:
         """Write back and stop; after a failed flush (a damaged file, a full disk) the reads
         and writes still in flight finish first and nothing new starts."""
@@ -441,9 +413,12 @@ class DiskTier:
                 self._closed = True
                 while any(e.busy is not None for e in self._cache.values()):
                     self._changed.wait()
-            self._writeback.shutdown(wait=True)
-            self.io.close()
-            if self.pool is not None:
-                self.pool.close()
+            try:
+                self._writeback.shutdown(wait=True)
+                self.io.close()
+                if self.pool is not None:
+                    self.pool.close()
+            finally:     # a failed last write-back still gives the directory back
+                self.release_directory()
 
 

@@ -35,13 +35,13 @@ trainer's).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from itertools import chain
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from moescale.devices import SimulatedDevice, make_device
-from moescale.dispatch.protocol import SHARD, capabilities_of
 from moescale.layers.experts import GroupedExperts, ModuleExperts
 from moescale.layers.grouped_ffn import PARAM_NAMES
 from moescale.layers.moe import MoE
@@ -49,11 +49,11 @@ from moescale.offload.cache import DeviceCache
 from moescale.offload.usage_checks import NOT_STEPPED, MovedParameters
 from moescale.offload.checkpoint import load_store, save_store
 from moescale.offload.experts import OffloadedGroupedExperts
+from moescale.offload.model_layers import disk_bytes, expert_shard, offloadable_layers, shifted
 from moescale.offload.module_experts import OffloadedModuleExperts, module_layout
 from moescale.offload.config import DTYPES, OffloadConfig
 from moescale.offload.optimizer import AdamWConfig, HostOptimizer, worker_layout
-from moescale.offload.records import ALL, POS_GRAD, G, M
-from moescale.offload.state_format import RecordGeometry, StateFormat
+from moescale.offload.records import ALL, G, M
 from moescale.offload.store import ExpertLayout, ExpertStore, Key, StoreConfig
 
 class OffloadEngine:
@@ -137,15 +137,12 @@ class OffloadEngine:
                                  ema_decay=cfg.ema_decay)
 
     # ----------------------------------------------------------------- schedule
-    def forward_order(self, layer: int, counts, traced: bool) -> list[int]:
-        """The forward's expert order (experts with rows, pinned first); a traced forward
-        (one that will have a backward) is remembered for the backward's schedule."""
-        return self.chunk_orders(layer, [counts], traced)[0]
-
     def chunk_orders(self, layer: int, chunk_counts, traced: bool) -> list[list[int]]:
-        """forward_order of a call cut into chunks (a pipelined exchange runs chunk k's rows
-        of every expert, k = 0..C-1): each chunk's order; the trace and the disk tier's
-        schedule see the chunks one after another. Snake order: odd chunks take their
+        """The forward's expert order per chunk (one chunk: the unpipelined call; a pipelined
+        exchange runs chunk k's rows of every expert, k = 0..C-1): the experts with rows,
+        pinned first; a traced call (one that will have a backward) is remembered for the
+        backward's schedule, and the trace and the disk tier's schedule see the chunks one
+        after another. Snake order: odd chunks take their
         experts in descending order (pinned ones still first), so chunk k+1 starts with the
         experts chunk k ended with and the device cache's walk reuses their copies instead
         of uploading them again (cache.py, retention)."""
@@ -160,13 +157,11 @@ class OffloadEngine:
         if traced:
             self._trace.append((layer, flat))
         self.cache.observe(layer, [sum(col) for col in zip(*chunk_counts)])
-        if self.store.config.tier == "disk":   # masters now, whole records in backward
-            self.store.set_upcoming([((layer, e), M) for e in flat] + self._backward_keys(),
-                                    keep=self.optimizer.pending)
+        # the coming accesses, masters now and whole records in backward: the disk tier reads
+        # ahead and evicts by them (lazily made: the host tier never looks at them)
+        self.store.set_upcoming(chain((((layer, e), M) for e in flat), self._backward_keys()),
+                                keep=self.optimizer.pending)
         return orders
-
-    def backward_order(self, layer: int, forward_order: list[int], last: bool) -> list[int]:
-        return self.chunk_backward_orders(layer, [forward_order], last, {})[0]
 
     def chunk_backward_orders(self, layer: int, orders: list[list[int]], last: bool,
                               last_chunk: dict[int, int]) -> list[list[int]]:
@@ -184,19 +179,18 @@ class OffloadEngine:
         for order in orders:
             pinned = [e for e in order if self.cache.is_resident((layer, e))]
             out.append(pinned + [e for e in reversed(order) if e not in pinned])
-        if self.store.config.tier == "disk":
-            # each expert: its upload, its gradient accumulation (and its eager step); uses
-            # by gradient work still queued on the optimizer stay in front
-            eager = last and self.config.step_mode == "eager"
-            self.store.set_upcoming(
-                [((layer, e), ALL) for k, order in enumerate(out) for e in order
-                 for _ in range(3 if eager and last_chunk.get(e, k) == k else 2)] +
-                self._backward_keys(), keep=self.optimizer.pending)
+        # each expert: its upload, its gradient accumulation (and its eager step); uses by
+        # gradient work still queued on the optimizer stay in front
+        eager = last and self.config.step_mode == "eager"
+        self.store.set_upcoming(chain(
+            (((layer, e), ALL) for k, order in enumerate(out) for e in order
+             for _ in range(3 if eager and last_chunk.get(e, k) == k else 2)),
+            self._backward_keys()), keep=self.optimizer.pending)
         return out
 
-    def _backward_keys(self) -> list[tuple[Key, int]]:
-        return [((layer, e), ALL) for layer, order in reversed(self._trace)
-                for e in reversed(order) for _ in range(2)]
+    def _backward_keys(self) -> Iterator[tuple[Key, int]]:
+        return (((layer, e), ALL) for layer, order in reversed(self._trace)
+                for e in reversed(order) for _ in range(2))
 
     # ----------------------------------------------------------------- training loop
     def follow(self, dense_optimizer: torch.optim.Optimizer) -> None:
@@ -209,6 +203,28 @@ class OffloadEngine:
         """Declare whether the coming forward/backward is the last of this step's micro-batches
         (eager mode steps experts during that backward)."""
         self.last_micro_batch = bool(last)
+
+    # ----------------------------------------------------------------- the stream's face
+    @property
+    def activation_policy(self) -> str:
+        return self.config.activation_policy
+
+    def walk(self, layer: int, order: list[int], grad_bytes: int = 0):
+        """The device cache's walk (cache.py); grad_bytes > 0: backward's, with room for one
+        gradient and the whole record cached for it (the disk tier reads it once)."""
+        return self.cache.walk(layer, order, headroom=grad_bytes, whole_record=grad_bytes > 0)
+
+    def reserve_gradient(self, key: Key, nbytes: int):
+        """An expert's gradient on the device, charged to the budget until the host has it."""
+        return self.device.reserve(nbytes, f"gradient of expert {key}", block=True,
+                                   async_release=True)
+
+    def stash(self, hidden: list[torch.Tensor]):
+        """The offload policy: a hidden activation copied to the host until backward."""
+        return self.device.download(hidden)
+
+    def unstash(self, stashed) -> list[torch.Tensor]:
+        return self.device.upload(stashed.wait()).wait()
 
     def hand_gradient(self, key: Key, grads, reservation, last: bool) -> None:
         if isinstance(self.device, SimulatedDevice):
@@ -276,6 +292,37 @@ class OffloadEngine:
             finally:
                 self.store.release(key, grad_zero=True)
 
+    @property
+    def step_mode(self) -> str:
+        return self.config.step_mode
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """The device's byte budget for expert copies and gradients (None: unbounded)."""
+        return self.device.budget_bytes
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """The most bytes the device's ledger has held at once."""
+        return int(self.device.peak_bytes)
+
+    @property
+    def num_uploads(self) -> int:
+        """Expert copies uploaded to the device so far."""
+        return self.cache.num_uploads
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds compute has waited for experts so far (DeviceCache.wait_seconds)."""
+        return self.cache.wait_seconds
+
+    def memory(self) -> dict:
+        """The device's peak and budget, and the store tier's own figures (the disk tier's
+        files and I/O bytes), after synchronize()."""
+        self.synchronize()
+        return {"device_peak_bytes": self.device_peak_bytes,
+                "device_budget_bytes": self.device.budget_bytes, **self.store.tier_memory()}
+
     def take_wait_s(self) -> float:
         """Seconds compute waited for experts (uploads, their fences and disk reads) since the
         previous call: a training step's wait (DeviceCache.take_wait_s)."""
@@ -328,26 +375,6 @@ class OffloadEngine:
             self.synchronize()
 
 
-def _shifted(expert_init, start: int):
-    """expert_init for an EP shard: local expert e is global expert start + e."""
-    def init(layer, e, layout):
-        return expert_init(layer, start + e, layout)
-    return init
-
-
-def offloadable_layers(model: nn.Module, config: OffloadConfig) -> list[MoE]:
-    """The model's MoE layers, or the ValueError that says why there is nothing to offload."""
-    if config.tier == "device-only":
-        raise ValueError("tier='device-only' keeps the experts resident on the device: there is "
-                         "nothing to offload; give tier='host', 'pin', 'disk' or 'auto', or do "
-                         "not call offload_moe")
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if not moes:
-        raise ValueError("offload_moe found no MoE layer in the model; build it with "
-                         "moescale.MoE layers (or convert its FFNs first)")
-    return moes
-
-
 def build_engine(model: nn.Module, config: OffloadConfig, *,
                  expert_init=None) -> OffloadEngine:
     """offload_moe for a concrete tier (host, pin, disk): tier 'auto' is resolved above the
@@ -360,12 +387,12 @@ def build_engine(model: nn.Module, config: OffloadConfig, *,
     moes = offloadable_layers(model, config)
     shards = [expert_shard(m) for m in moes]
     engine = OffloadEngine(config)
-    engine.store.reserve_disk(sum(_disk_bytes(m, s, config.state) for m, s in zip(moes, shards)))
+    engine.store.reserve_disk(sum(disk_bytes(m, s, config.state) for m, s in zip(moes, shards)))
     for moe, shard in zip(moes, shards):
         experts = moe.experts if shard is None else shard.local
         init = expert_init
         if shard is not None and expert_init is not None:   # local expert l = global start + l
-            init = _shifted(expert_init, shard.expert_ids.start)
+            init = shifted(expert_init, shard.expert_ids.start)
         engine.moved.add(experts.parameters())
         if isinstance(experts, GroupedExperts):
             offloaded = engine.add(experts, init)
@@ -383,23 +410,3 @@ def build_engine(model: nn.Module, config: OffloadConfig, *,
     engine.finish_setup()
     engine.moved.watch_optimizer_steps()
     return engine
-
-
-def _disk_bytes(moe: MoE, shard, state: StateFormat) -> int:
-    """Bytes of the disk tier's record files for this layer's (local) experts: the rows that
-    persist (a file's gradient row is a sparse tail until accumulation spills it)."""
-    experts = moe.experts if shard is None else shard.local
-    num = experts.num_experts if shard is None else len(shard.expert_ids)
-    numel = sum(p.numel() for p in experts.parameters()) // max(1, num)
-    return RecordGeometry(state, numel).offsets[POS_GRAD] * num
-
-
-def expert_shard(moe: MoE):
-    """The layer's ExpertShard (its SHARD capability) when it is expert-parallel, else None.
-
-    The store then holds this rank's L local experts (store expert l = global expert
-    shard.expert_ids.start + l). Any exchange that calls the container works behind it: the
-    static dispatcher calls forward_rows, the pipelined one chunk_runner (CHUNKED), and both
-    scale the gradient (x 1/W in, x W out), so expert gradients reach the store at the mean
-    scale with no parameter involved."""
-    return moe.experts if SHARD in capabilities_of(moe.experts) else None

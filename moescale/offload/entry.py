@@ -16,7 +16,8 @@ from torch import nn
 
 from moescale.offload.auto import resolve_auto
 from moescale.offload.config import OffloadConfig
-from moescale.offload.engine import OffloadEngine, build_engine, expert_shard, offloadable_layers
+from moescale.offload.engine import OffloadEngine, build_engine
+from moescale.offload.model_layers import expert_shard, offloadable_layers
 
 
 def offload_moe(model: nn.Module, config: OffloadConfig | None = None, *,

@@ -1,6 +1,8 @@
 """OffloadedExperts: grouped FFN/GLU experts whose weights stream from an ExpertStore.
 
-One autograd Function, `OffloadedExpertsFn`, does the whole expert stage of a layer:
+One autograd Function, `OffloadedExpertsFn`, does the whole expert stage of an unpipelined
+call; it is the one-chunk case of the offload package's one expert stream
+(chunked.py: `StreamedChunkRunner`, which a pipelined exchange drives chunk by chunk):
 - forward walks the experts that received rows, in schedule order (pinned experts first, then
   ascending id), each through the DeviceCache (expert i+1 uploads while expert i computes),
   runs the grouped kernel `ffn_forward` on that expert's rows with a single-expert weight slice,
@@ -20,10 +22,12 @@ The containers are expert containers (moescale.dispatch.protocol) declaring ROUT
 drives them chunk by chunk, chunked.py); `forward_rows(x_RD, counts)` takes rows already
 grouped (the all-to-all dispatchers). Grouped ones add FFN_SHAPE (the pipeline's cost model).
 
-The per-expert math is the container's: `OffloadedGroupedExperts` here (the grouped kernels on a
-single-expert weight slice), `OffloadedModuleExperts` in module_experts.py (functional_call).
+The per-expert math is the container's: `GroupedExpertMath` here (the grouped kernels on a
+single-expert weight slice; also the node's streamed shared store's), `OffloadedModuleExperts`
+in module_experts.py (functional_call).
 
-Deliberately not here: the cache's eviction policy (cache.py), the optimizer (optimizer.py).
+Deliberately not here: the stream's loops (chunked.py), the cache's eviction policy
+(cache.py), the optimizer (optimizer.py).
 
 Legend: T tokens, R rows grouped by expert, N rows of one expert, D model width,
 F expert hidden width, P parameters of one expert.
@@ -42,97 +46,34 @@ from moescale.layers.activations import Activation
 from moescale.layers.experts import compute_dtype
 from moescale.layers.grouped_ffn import (PARAM_NAMES, FFNWeights, ffn_backward, ffn_forward,
                                          mm_into)
-from moescale.offload.chunked import StreamedChunkRunner, row_starts
+from moescale.offload.chunked import StreamedChunkRunner
 from moescale.offload.store_access import StoreAccess
 
 POLICIES = ("keep", "recompute", "offload")
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 for sums over a token's rows when computing in bf16/fp16."""
-    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-
-
 class OffloadedExpertsFn(torch.autograd.Function):
-    """y = experts(x) with weights streamed from the store; see the module docstring."""
+    """y = experts(x) with weights streamed from the store: the one-chunk case of the
+    chunk runner (chunked.py), routed (token_idx_R given) or on rows grouped by expert."""
 
     @staticmethod
-    def forward(ctx, anchor, x, scores_R, token_idx_R, layer: "OffloadedExpertsBase",
-                counts: tuple, order: list):
-        engine, routed = layer.engine, token_idx_R is not None
-        starts = row_starts(counts)
-        policy = engine.config.activation_policy
-        if routed:  # the combine accumulates in fp32 and rounds once
-            y = x.new_zeros(x.shape[0], layer.d_model, dtype=_acc_dtype(x))
-            scores_x = scores_R.to(y.dtype)
-        else:
-            y = x.new_empty(x.shape[0], layer.d_model)
-        saved = {}
-        with torch.autocast(x.device.type, enabled=False):
-            for e, w_P in engine.cache.walk(layer.layer_index, order):
-                s, n = starts[e], counts[e]
-                x_ND = x.index_select(0, token_idx_R[s:s + n]) if routed else x[s:s + n]
-                y_ND, hidden = layer.run_expert(e, x_ND, w_P, keep_hidden=policy != "recompute")
-                del w_P
-                if routed:
-                    y.index_add_(0, token_idx_R[s:s + n],
-                                 y_ND.to(y.dtype).mul_(scores_x[s:s + n].unsqueeze(1)))
-                else:
-                    y[s:s + n] = y_ND
-                if hidden is not None:
-                    saved[e] = hidden if policy == "keep" else engine.device.download(hidden)
-        y = y.to(x.dtype)
-        ctx.layer, ctx.counts, ctx.order, ctx.saved = layer, counts, order, saved
-        ctx.last_micro_batch = engine.last_micro_batch
+    def forward(ctx, anchor, x, scores_R, token_idx_R, runner: StreamedChunkRunner):
+        y = runner.forward(0, x, keep=True, token_idx_R=token_idx_R, scores_R=scores_R)
+        ctx.runner = runner
         ctx.save_for_backward(x, scores_R, token_idx_R)
-        return y
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, gy):
         x, scores_R, token_idx_R = ctx.saved_tensors
-        layer, counts, saved = ctx.layer, ctx.counts, ctx.saved
-        engine, routed = layer.engine, token_idx_R is not None
-        policy = engine.config.activation_policy
-        need_dx, need_ds = ctx.needs_input_grad[1], routed and ctx.needs_input_grad[2]
-        gy = gy.contiguous()
-        dx = None
-        if need_dx:
-            dx = torch.zeros_like(x, dtype=_acc_dtype(x)) if routed else torch.empty_like(x)
-        ds_R = torch.zeros_like(scores_R) if need_ds else None
-        starts = row_starts(counts)
-        order = engine.backward_order(layer.layer_index, ctx.order, ctx.last_micro_batch)
-        grad_bytes = layer.layout.numel * x.element_size()
-        with torch.autocast(x.device.type, enabled=False):
-            for e, w_P in engine.cache.walk(layer.layer_index, order, headroom=grad_bytes,
-                                            whole_record=True):
-                s, n = starts[e], counts[e]
-                if routed:
-                    rows_N = token_idx_R[s:s + n]
-                    x_ND, gy_ND = x.index_select(0, rows_N), gy.index_select(0, rows_N)
-                else:
-                    x_ND, gy_ND = x[s:s + n], gy[s:s + n]
-                hidden = saved.pop(e, None)
-                if policy == "offload" and hidden is not None:
-                    hidden = engine.device.upload(hidden.wait()).wait()
-                grad_res = engine.device.reserve(grad_bytes, f"gradient of expert "
-                                                 f"{(layer.layer_index, e)}", block=True,
-                                                 async_release=True)
-                dx_ND, grads, ds_N = layer.run_expert_backward(
-                    e, gy_ND, x_ND, w_P, hidden, scores_R[s:s + n] if routed else None, need_dx)
-                del w_P, hidden
-                if need_dx:
-                    if routed:
-                        dx.index_add_(0, rows_N, dx_ND.to(dx.dtype))
-                    else:
-                        dx[s:s + n] = dx_ND
-                if need_ds:
-                    ds_R[s:s + n] = ds_N
-                engine.hand_gradient((layer.layer_index, e), grads, grad_res,
-                                     last=ctx.last_micro_batch)
-        ctx.saved = None
+        runner, routed = ctx.runner, token_idx_R is not None
+        dx, ds_R = runner.backward(0, x, gy.contiguous(), scores_R, ctx.needs_input_grad[1],
+                                   routed and ctx.needs_input_grad[2], token_idx_R=token_idx_R)
+        runner.input_grads(())
+        ctx.runner = None
         if dx is not None:
             dx = dx.to(x.dtype)
-        return None, dx, ds_R, None, None, None, None
+        return None, dx, ds_R, None, None
 
 
 class OffloadedExpertsBase(nn.Module):
@@ -152,10 +93,10 @@ class OffloadedExpertsBase(nn.Module):
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)
-        if dtype != self.engine.cache.dtype:
-            raise ValueError(f"offloaded experts compute in {self.engine.cache.dtype} but the "
+        if dtype != self.engine.dtype:
+            raise ValueError(f"offloaded experts compute in {self.engine.dtype} but the "
                              f"input arrives in {dtype}; set OffloadConfig(compute_dtype="
-                             f"{dtype}) or feed {self.engine.cache.dtype}")
+                             f"{dtype}) or feed {self.engine.dtype}")
         return x.to(dtype).contiguous()
 
     @property
@@ -173,13 +114,12 @@ class OffloadedExpertsBase(nn.Module):
         return self.anchor if torch.is_grad_enabled() else self.anchor.detach()
 
     def _run(self, x, scores_R, token_idx_R, counts) -> torch.Tensor:
-        counts = tuple(counts)
         # the schedule is decided here, where grad mode is the caller's (it is off inside
         # Function.forward): only a forward that will have a backward is traced
-        order = self.engine.forward_order(self.layer_index, counts,
-                                          traced=torch.is_grad_enabled())
-        return OffloadedExpertsFn.apply(self.anchor_for_grad_mode(), self._input(x), scores_R, token_idx_R,
-                                        self, counts, order)
+        x = self._input(x)
+        runner = StreamedChunkRunner(self, [counts], 1.0, traced=torch.is_grad_enabled())
+        return OffloadedExpertsFn.apply(self.anchor_for_grad_mode(), x, scores_R, token_idx_R,
+                                        runner)
 
     def forward_routed(self, x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         return self._run(x_TD, plan.scores_R, plan.token_idx_R, plan.counts)
@@ -211,16 +151,10 @@ class OffloadedExpertsBase(nn.Module):
         return y_ND.to(x_ND.dtype)
 
 
-class OffloadedGroupedExperts(OffloadedExpertsBase):
-    """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
-
-    capabilities = OffloadedExpertsBase.capabilities | {FFN_SHAPE}
-    stacked_state = True
-
-    def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
-                 act: Activation, glu: bool, bias: bool, layout) -> None:
-        super().__init__(engine, layer_index, num_experts, d_model, layout)
-        self.d_ff, self.act, self.glu, self.bias = d_ff, act, glu, bias
+class GroupedExpertMath:
+    """The per-expert math of grouped FFN/GLU experts over a flat weight copy (the grouped
+    kernels on a single-expert slice), for containers with `layout`, `d_ff` and `act`: the
+    offloaded ones here and the node's streamed shared store (shared_store/streamed.py)."""
 
     def weights(self, w_P: torch.Tensor) -> FFNWeights:
         """Single-expert FFNWeights ([1, ...] views) over a flat weight copy."""
@@ -255,6 +189,18 @@ class OffloadedGroupedExperts(OffloadedExpertsBase):
         grads = [g[0] for g in (gw.w1_EDF, gw.w2_EFD, gw.w3_EDF, gw.b1_EF, gw.b2_ED)
                  if g is not None]
         return dx_ND, grads, ds_N
+
+
+class OffloadedGroupedExperts(GroupedExpertMath, OffloadedExpertsBase):
+    """Stand-in for GroupedExperts whose weights live in an ExpertStore (no parameters)."""
+
+    capabilities = OffloadedExpertsBase.capabilities | {FFN_SHAPE}
+    stacked_state = True
+
+    def __init__(self, engine, layer_index: int, num_experts: int, d_model: int, d_ff: int,
+                 act: Activation, glu: bool, bias: bool, layout) -> None:
+        super().__init__(engine, layer_index, num_experts, d_model, layout)
+        self.d_ff, self.act, self.glu, self.bias = d_ff, act, glu, bias
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_index}, num_experts={self.num_experts}, "

@@ -148,12 +148,12 @@ def _stream_probe(rows: int, d_model: int, d_ff: int, glu: bool, top_k: int,
     probe = _Probe(None, 6 * tokens * top_k * (3 if glu else 2) * d_model * d_ff)
 
     def work():
-        before = engine.cache.num_uploads
+        before = engine.num_uploads
         layer.zero_grad(set_to_none=True)
         layer(x).sum().backward()
         engine.step()
         engine.synchronize()
-        probe.uploads.append(engine.cache.num_uploads - before)
+        probe.uploads.append(engine.num_uploads - before)
     probe.work = work
     return probe, engine.close
 

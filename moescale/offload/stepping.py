@@ -44,18 +44,18 @@ class OffloadStep:
         self.engine.begin_micro_batch(last=last and not self._held)
 
     def before_backward(self, loss: torch.Tensor) -> None:
-        if self.engine.config.step_mode == "eager" and not bool(torch.isfinite(loss).all()):
+        if self.engine.step_mode == "eager" and not bool(torch.isfinite(loss).all()):
             self._held = True
             self.engine.begin_micro_batch(last=False)
 
     def clip_grad_norm_(self, model, max_norm: float) -> float | None:
-        if self.engine.config.step_mode != "deferred":
+        if self.engine.step_mode != "deferred":
             return None      # eager: experts stepped during backward (grad_clip is 0)
         return self.engine.clip_grad_norm_(model.parameters(), max_norm,
                                            reduce_expert_sq=self.reduce_expert_sq)
 
     def skipped_steps(self) -> int:
-        if self.engine.config.step_mode == "eager":
+        if self.engine.step_mode == "eager":
             self.engine.optimizer.wait_all()     # the steps queued during backward
         return self.engine.optimizer.skipped_steps
 
@@ -72,15 +72,7 @@ class OffloadStep:
 
     def memory(self) -> dict:
         """The device's peak and budget; for the disk tier the store's file and I/O bytes."""
-        engine = self.engine
-        engine.synchronize()
-        out = {"device_peak_bytes": int(engine.device.peak_bytes),
-               "device_budget_bytes": engine.device.budget_bytes}
-        if engine.store.config.tier == "disk":
-            out["disk_bytes"] = dir_bytes(engine.store.config.directory)
-            out["disk_read_bytes"] = int(engine.store.bytes_read)
-            out["disk_written_bytes"] = int(engine.store.bytes_written)
-        return out
+        return self.engine.memory()
 
     def close(self) -> None:
         self.engine.close()

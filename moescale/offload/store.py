@@ -9,11 +9,12 @@ by every optimizer step (device copies of an older version are stale); and its `
 xxh3-64 of the fp32 master it was built with (the run's identity: a checkpoint records it, so
 that another run's checkpoint is not loaded silently; None for a blank or attached store).
 
-Tiers:
-- `host`: one `[E, 4, P]` tensor per layer in RAM, pinned under CUDA, optionally in shared
-  memory (`share_memory_()`) so that several local ranks map one copy (`shared_state()` in
-  the owner, `ExpertStore.attach(...)` in the others);
-- `disk`: one file per expert, moved by direct I/O through a fixed pool of host slots whose
+Tiers (`store.tier`: a HostTier or a DiskTier, with the same methods, so that nothing here
+asks which one it holds):
+- `host` (host_tier.py): one `[E, 4, P]` tensor per layer in RAM, pinned under CUDA, optionally
+  in shared memory (`share_memory_()`) so that several local ranks map one copy
+  (`shared_state()` in the owner, `ExpertStore.attach(...)` in the others);
+- `disk` (disk_tier.py, disk_setup.py, disk_writeback.py): one file per expert, moved by direct I/O through a fixed pool of host slots whose
   size (`host_cache_bytes`) is the tier's real host memory; reads ahead and writes behind from
   the schedule the layers announce (`set_upcoming`), Belady eviction; only the rows an access
   needs are read and a zero gradient accumulator is never persisted (disk_tier.py); every
@@ -31,7 +32,7 @@ training step's own record reads, e.g. its gradient-norm pass; counted per threa
 and optimizer threads' reads are not the step's).
 
 Deliberately not here: the optimizer math (optimizer.py), device copies (cache.py), atomic
-checkpoints of the store (checkpoint.py), the disk tier's I/O (disk_tier.py, direct_io.py),
+checkpoints of the store (checkpoint.py), the tiers themselves (host_tier.py, disk_tier.py),
 the plain types and directory checks (store_types.py, re-exported here).
 
 Legend: E experts of a layer, P parameters of one expert.
@@ -39,21 +40,17 @@ Legend: E experts of a layer, P parameters of one expert.
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
-import time
-import warnings
 from typing import Callable, Iterable, Sequence
 
 import torch
 import xxhash
 
-from moescale.dir_lock import claim_directory
 from moescale.offload import records
 from moescale.offload.disk_tier import DiskTier
 from moescale.offload.host_grads import HostGrads
-from moescale.offload.records import ALL, POS_GRAD, POS_MASTER, STATE
+from moescale.offload.host_tier import HostTier
+from moescale.offload.records import ALL, STATE
 from moescale.offload.state_format import RecordGeometry, StateCodec
 from moescale.offload.store_types import (EXP_AVG, EXP_AVG_SQ, GRAD, LOGICAL_POS, MASTER, TIERS,
                                           ExpertLayout, ExpertRecord, Key, StoreConfig,
@@ -74,26 +71,38 @@ class ExpertStore:
         self.num_experts: list[int] = []
         self.first_expert: list[int] = []   # per layer: the global id of store expert 0 (an
                                             # expert-parallel shard's start; keys rounding)
-        self._host: list[torch.Tensor] = []            # host tier: [E, 4, P] per layer
         self._steps: dict[Key, torch.Tensor] = {}
         self._host_steps: list[torch.Tensor] = []     # [E] step counts per layer
         self.versions: dict[Key, int] = {}
         self._lock = threading.Lock()
-        self.disk: DiskTier | None = None
-        self._waits = threading.local()   # per thread: seconds blocked in disk-tier acquires
         self.host_grads = HostGrads()   # compact host records' gradients (host_grads.py)
-        self._disk_need = 0     # bytes of expert files announced (reserve_disk) or written
-        self._dir_lock = None   # the disk tier's directory, owned (moescale/dir_lock.py)
+        # where the records live: HostTier or DiskTier, the same methods (host_tier.py)
+        self.tier = DiskTier.for_store(config) if config.tier == "disk" else HostTier(
+            config.state, self.host_grads, pin_memory=config.pin_memory,
+            shared_memory=config.shared_memory)
         self.origins: dict[Key, str | None] = {}   # run identity: xxh3-64 of the initial
                                                    # fp32 master (None: blank or attached)
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, for what only files have (checkpoint links, a node's shared files,
+        I/O figures); None on the host tier."""
+        return self.tier if self.config.tier == "disk" else None
+
+    @disk.setter
+    def disk(self, tier: DiskTier) -> None:
+        self.tier = tier
+
+    @property
+    def _host(self) -> list[torch.Tensor]:
+        """The host tier's records per layer ([] on disk)."""
+        return getattr(self.tier, "data", [])
 
     # ----------------------------------------------------------------- construction
     def reserve_disk(self, total_bytes: int) -> None:
         """Check once, before any file is written, that the disk tier's directory has room
         for `total_bytes` of expert files (the sum over every layer to come)."""
-        if self.config.tier == "disk":
-            check_directory(self.config.directory, total_bytes * self.config.reserve_disk)
-            self._disk_need = max(self._disk_need, total_bytes)
+        self.tier.reserve(total_bytes)
 
     def add_layer(self, layout: ExpertLayout, num_experts: int,
                   init: Callable[[int], torch.Tensor]) -> int:
@@ -115,82 +124,14 @@ class ExpertStore:
             return master_P
 
         steps_E = torch.zeros(num_experts, dtype=torch.float32)
-        if self.config.tier == "disk":
-            self._add_disk_layer(layout, num_experts, master)
-            self._register(layout, None, steps_E)
-            return layer
-        if not self.format.exact:     # byte records of master and moments (no gradient row)
-            geo = RecordGeometry(self.format, layout.numel, align=64)
-            data_EB = torch.zeros(num_experts, geo.offsets[POS_GRAD], dtype=torch.uint8)
-            if self.config.pin_memory:
-                data_EB = data_EB.pin_memory()
-            for e in range(num_experts):
-                master_P = master(e)
-                if master_P is not None:     # None: stays zero
-                    geo.typed(data_EB[e], POS_MASTER).copy_(master_P)   # round to nearest
-            self._register(layout, data_EB, steps_E)
-            return layer
-        data_E4P = torch.zeros(num_experts, 4, layout.numel, dtype=torch.float32)
-        if self.config.shared_memory:
-            data_E4P.share_memory_()
-            steps_E.share_memory_()
-            if self.config.pin_memory:  # pin the shared pages in place (no copy)
-                torch.cuda.cudart().cudaHostRegister(
-                    data_E4P.data_ptr(), data_E4P.numel() * data_E4P.element_size(), 0)
-        elif self.config.pin_memory:
-            data_E4P = data_E4P.pin_memory()
-        for e in range(num_experts):
-            master_P = master(e)
-            if master_P is not None:     # None: stays zero
-                data_E4P[e, MASTER].copy_(master_P)
-        self._register(layout, data_E4P, steps_E)
+        self.tier.add_experts(layout, num_experts, master, steps_E)
+        self._register(layout, steps_E)
         return layer
-
-    def _add_disk_layer(self, layout: ExpertLayout, num_experts: int, master) -> None:
-        if self.disk is None:
-            cache = self.config.host_cache_bytes
-            self.disk = DiskTier(self.config.directory, cache or 0, self.config.io_threads,
-                                 self.config.pin_memory, direct_io=self.config.direct_io,
-                                 state=self.format, verify_reads=self.config.verify_reads)
-        geo = RecordGeometry(self.format, layout.numel)
-        record = geo.total
-        cache = self.disk.host_cache_bytes
-        if cache and 2 * record > cache:
-            raise ValueError(
-                f"host_cache_bytes={cache} holds fewer than two expert records of {record} "
-                f"bytes each; raise it to at least {2 * record}")
-        # the files' blocks: the rows that persist (the gradient row is a sparse tail, written
-        # only when accumulation across micro-batches spills it)
-        written = sum(self.disk.geometries[lay].offsets[POS_GRAD] * n
-                      for lay, n in enumerate(self.num_experts))
-        need = written + geo.offsets[POS_GRAD] * num_experts
-        check_directory(self.config.directory, self.config.reserve_disk * max(0, max(
-            need, self._disk_need) - written))
-        self._disk_need = max(self._disk_need, need)
-        if self._dir_lock is None:     # this store owns the directory while it is open
-            self._dir_lock = claim_directory(
-                self.config.directory, f"the disk tier's directory {self.config.directory!r}",
-                "give each run its own offload.directory")
-        layer = len(self.layouts)
-        if os.path.islink(self.disk._layer_dir(layer)):    # its files would be deleted there
-            raise ValueError(f"{self.disk._layer_dir(layer)!r} is a symbolic link; the disk "
-                             "tier never follows one where it deletes and writes: remove it")
-        try:
-            self.disk.add_layer(layout.numel, num_experts, master)
-        except BaseException:   # leave nothing behind: a half-written layer is useless
-            shutil.rmtree(self.disk._layer_dir(layer), ignore_errors=True)
-            raise
-        if layer == 0 and self.disk.io.direct is False and self.config.direct_io:
-            warnings.warn(f"the filesystem of {self.config.directory!r} refuses O_DIRECT "
-                          "(tmpfs?): the disk tier uses buffered I/O with "
-                          "posix_fadvise(DONTNEED) there", RuntimeWarning, stacklevel=4)
 
     def shared_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (data_E4P, steps_E) of a host store in shared memory, to hand to other
         local processes (torch.multiprocessing pickles them as shared-memory handles)."""
-        if self.config.tier != "host" or not self.config.shared_memory:
-            raise ValueError("shared_state() needs tier='host' with shared_memory=True")
-        return list(zip(self._host, self._host_steps))
+        return list(zip(self.tier.shared_records(), self._host_steps))
 
     @classmethod
     def attach(cls, config: StoreConfig, layouts: Sequence[ExpertLayout],
@@ -202,7 +143,8 @@ class ExpertStore:
             if tuple(data_E4P.shape[1:]) != (4, layout.numel):
                 raise ValueError(f"shared tensor of shape {tuple(data_E4P.shape)} does not hold "
                                  f"records of {layout.numel} parameters")
-            store._register(layout, data_E4P, steps_E)
+            store.tier.attach_records(layout.numel, data_E4P)
+            store._register(layout, steps_E)
         return store
 
     @classmethod
@@ -215,29 +157,19 @@ class ExpertStore:
         if config.tier != "disk":
             raise ValueError(f"attach_disk needs tier='disk', not {config.tier!r}")
         store = cls(config)
-        store.disk = DiskTier(config.directory, config.host_cache_bytes or 0, config.io_threads,
-                              config.pin_memory, direct_io=config.direct_io, state=config.state,
-                              verify_reads=config.verify_reads)
         for layer, layout in enumerate(layouts):
             num = sum(1 for key in sums if key[0] == layer)
-            store.disk.register_layer(layout.numel)
-            for e in range(num):
-                store.disk.gen[(layer, e)] = 0
-                store.disk.sums[(layer, e)] = {int(p): list(c) for p, c in
-                                               sums[(layer, e)].items()}
-            store._register(layout, None, torch.zeros(num, dtype=torch.float32))
+            store.tier.attach_files(layout, num, sums)
+            store._register(layout, torch.zeros(num, dtype=torch.float32))
         return store
 
-    def _register(self, layout: ExpertLayout, data_E4P: torch.Tensor | None,
-                  steps_E: torch.Tensor) -> None:
-        """Append a layer of len(steps_E) experts (data_E4P: its host-tier records, None on
-        disk): layout, step counts, versions."""
+    def _register(self, layout: ExpertLayout, steps_E: torch.Tensor) -> None:
+        """Append a layer of len(steps_E) experts (its records are the tier's): layout, step
+        counts, versions."""
         layer = len(self.layouts)
         self.layouts.append(layout)
         self.num_experts.append(steps_E.numel())
         self.first_expert.append(0)
-        if data_E4P is not None:
-            self._host.append(data_E4P)
         self._host_steps.append(steps_E)
         for e in range(steps_E.numel()):
             self._steps[(layer, e)] = steps_E[e]  # a 0-dim view: AdamW increments it in place
@@ -258,49 +190,22 @@ class ExpertStore:
     def host_bytes(self) -> int:
         """Bytes the host tier holds now: its records and the gradients alive or kept for reuse
         (0 on disk)."""
-        return sum(t.numel() * t.element_size() for t in self._host) + self.host_grads.bytes()
+        return self.tier.host_bytes()
 
     def geometry(self, layer: int) -> RecordGeometry:
         """Where a record's rows lie (host-tier byte records: 64-byte rows; disk: 4 KiB)."""
-        return RecordGeometry(self.format, self.layouts[layer].numel,
-                              align=64 if self.config.tier == "host" else None)
+        return self.tier.geometry(layer)
 
     # ----------------------------------------------------------------- access
     def acquire(self, key: Key, rows: int = ALL) -> ExpertRecord:
         """The record of `key`, pinned until `release(key)`. On the disk tier only `rows` (a
         mask of records.M | A | S | G) are guaranteed loaded (blocks on reads)."""
-        if self.config.tier == "host":
-            layer, e = key
-            if not self.format.exact:
-                geo, data_B = self.geometry(layer), self._host[layer][e]
-                views = [geo.typed(data_B, pos) for pos in LOGICAL_POS if pos != POS_GRAD]
-                views.insert(GRAD, self.host_grads.row(key, self.layouts[key[0]].numel,
-                                                       create=bool(rows & records.G)))
-                return ExpertRecord(key, views, self._steps[key])
-            data_4P = self._host[layer][e]
-            return ExpertRecord(key, data_4P.unbind(0), self._steps[key], data_4P)
-        self._ensure_disk_cache()
-        self._check_rows(rows)
-        start = time.perf_counter()
-        entry = self.disk.acquire(key, rows)
-        self._waits.seconds = self.thread_read_wait_s() + time.perf_counter() - start
-        views = [self.disk.row_view(entry, pos) for pos in LOGICAL_POS]
-        return ExpertRecord(key, views, self._steps[key])
-
-    def _check_rows(self, rows: int) -> None:
-        if rows & ~self.disk.slot_rows:
-            raise ValueError(f"an access of rows {rows:#x}, but the host slots hold rows "
-                             f"{self.disk.slot_rows:#x} only (set_slot_rows(records.ALL) first)")
+        return self.tier.record(key, rows, self._steps[key])
 
     def thread_read_wait_s(self) -> float:
         """Seconds the calling thread has spent in disk-tier acquires (waiting for a cache slot
         and the record's read; a cached record costs microseconds); 0.0 on the host tier."""
-        return getattr(self._waits, "seconds", 0.0)
-
-    def _ensure_disk_cache(self) -> None:
-        if not self.disk.host_cache_bytes:   # the default: decided once every layer is known
-            record = max(self.disk.record_bytes(lay) for lay in range(len(self.layouts)))
-            self.disk.host_cache_bytes = default_host_cache(record, self.state_bytes())
+        return self.tier.thread_read_wait_s()
 
     def read_master(self, key: Key) -> tuple[torch.Tensor, Callable[[], None]]:
         """(master_P, done): the expert's fp32 master for an upload (on the disk tier only the
@@ -352,11 +257,7 @@ class ExpertStore:
                 grad_zero: bool = False) -> None:
         """Unpin key's record; dirty: `rows` were modified; grad_zero: the gradient
         accumulator is zero now (an optimizer step), so it need not be persisted."""
-        if self.config.tier == "host":
-            if grad_zero and not self.format.exact:
-                self.host_grads.drop(key)
-            return
-        self.disk.release(key, rows if dirty else 0, grad_zero)
+        self.tier.release(key, rows if dirty else 0, grad_zero)
 
     def step_of(self, key: Key) -> float:
         return float(self._steps[key])
@@ -368,80 +269,55 @@ class ExpertStore:
         with self._lock:
             self.versions[key] += 1
 
-    # ----------------------------------------------------------------- disk-tier schedule
+    # ----------------------------------------------------------------- the disk tier's schedule
     def set_upcoming(self, accesses: Sequence[tuple[Key, int]], keep=None) -> None:
         """The expected order of the next accesses, (key, rows) each (for eviction and
-        read-ahead). Pending accesses of the old list for which keep(key) is true (work
-        already queued) stay in front."""
-        if self.config.tier != "disk":
-            return
-        self._ensure_disk_cache()
-        for _, rows in accesses:
-            self._check_rows(rows)
-        kept = [a for a in self.disk.pending_accesses() if keep(a[0])] \
-            if keep is not None else []
-        self.disk.set_upcoming(kept + list(accesses))
+        read-ahead; nothing on the host tier). Pending accesses of the old list for which
+        keep(key) is true (work already queued) stay in front."""
+        self.tier.announce(accesses, keep)
 
     def skip_access(self, key: Key) -> None:
         """One access of key that set_upcoming announced will not happen (the device cache
         reused its copy instead of reading the master again)."""
-        if self.config.tier == "disk":
-            self.disk.skip(key)
+        self.tier.skip(key)
 
     def flush(self) -> None:
         """Write every dirty cached record back to its file (and wait)."""
-        if self.disk is not None:
-            self.disk.flush()
+        self.tier.flush()
 
     def drop_cache(self) -> None:
         """Write back and drop every unpinned cached record (frees the host cache)."""
-        if self.disk is not None:
-            self.disk.flush(drop=True)
+        self.tier.flush(drop=True)
 
     def set_slot_rows(self, rows: int, host_cache_bytes: int | None = None) -> None:
         """Size the disk tier's host slots for a record's leading rows `rows` (M: masters, all
         generation reads: ~4x the fp32 experts in the same bytes) in `host_cache_bytes` (default:
         as now), after a write-back and drop; other rows are then refused (ValueError)."""
-        disk = self.disk
-        if disk is None:
-            return
-        assert rows in (records.M, STATE, ALL), f"rows={rows:#x}: M, STATE or ALL"
-        self.set_upcoming([])      # forget the old schedule (and size a default cache)
-        cache = disk.host_cache_bytes if host_cache_bytes is None else host_cache_bytes
-        slot = max(geo.offsets[max(records.rows_of(rows)) + 1] for geo in disk.geometries)
-        if cache < 2 * slot:
-            raise ValueError(f"host_cache_bytes={cache} holds fewer than two slots of {slot} "
-                             f"bytes; raise it to at least {2 * slot}")
-        disk.flush(drop=True)
-        assert not disk.cache_bytes(), "set_slot_rows while expert records are acquired"
-        disk.pool.close()
-        disk.pool, disk.slot_rows, disk.host_cache_bytes = None, rows, cache
+        self.tier.set_slot_rows(rows, host_cache_bytes)
 
     def cache_bytes(self) -> int:
-        return 0 if self.disk is None else self.disk.cache_bytes()
+        return self.tier.cache_bytes()
 
     @property
     def bytes_read(self) -> int:
-        return 0 if self.disk is None else self.disk.bytes_read
+        return self.tier.bytes_read
 
     @property
     def bytes_written(self) -> int:
-        return 0 if self.disk is None else self.disk.bytes_written
+        return self.tier.bytes_written
 
     @property
     def peak_cache_bytes(self) -> int:
-        return 0 if self.disk is None else self.disk.peak_cache_bytes
+        return self.tier.peak_cache_bytes
+
+    def tier_memory(self) -> dict:
+        """The disk tier's bytes: its files, read and written so far ({} on the host tier)."""
+        return self.tier.memory()
 
     def path(self, key: Key) -> str:
         """The disk tier's current file of an expert."""
-        return self.disk.path(key)
+        return self.tier.path(key)
 
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:
-        try:
-            if self.disk is not None:
-                self.disk.close()
-        finally:     # a failed last write-back still gives the directory back
-            if self._dir_lock is not None:
-                self._dir_lock.release()
-                self._dir_lock = None
+        self.tier.close()

@@ -9,7 +9,8 @@ computes with the compute copy and drops it.
 
 `StreamedSharedExperts` is the expert container of one layer (PLACED, STREAMED, FFN_SHAPE; no
 parameters), called as `forward_placed(x_RD, counts_E, owners_E, split_experts, group)`
-(`forward_rows`, the Protocol's base path, is the same with every expert owned here):
+(`forward_rows`, the Protocol's base path, is the same with every expert owned here) and run by the offload package's one per-expert stream (offload/chunked.py: `StreamedChunkRunner`,
+with `_PlacedPass` as its host) on the offloaded experts' grouped math (`GroupedExpertMath`):
 - forward: the experts with rows here, in ascending id, each uploaded and run by the grouped
   FFN kernel on its rows; the hidden is kept (activation policy `keep`) or recomputed in
   backward (`recompute`);
@@ -44,14 +45,15 @@ from moescale.devices import make_device
 from moescale.dispatch.protocol import FFN_SHAPE, PLACED, STATE_ACCESS, STREAMED
 from moescale.layers.activations import Activation
 from moescale.layers.experts import compute_dtype
-from moescale.layers.grouped_ffn import FFNWeights, ffn_backward, ffn_forward
+from moescale.layers.grouped_ffn import ffn_forward
 from moescale.offload.cache import DeviceCache
-from moescale.offload.chunked import row_starts
+from moescale.offload.chunked import StreamedChunkRunner
+from moescale.offload.experts import GroupedExpertMath
 from moescale.offload.records import G
 from moescale.offload.store import ExpertStore
 from moescale.offload.store_access import StoreAccess
 from moescale.parallel.all_to_all import collective_errors
-from moescale.shared_store.experts import PARAM_NAMES, SharedStoreExperts
+from moescale.shared_store.experts import SharedStoreExperts
 
 POLICIES = ("keep", "recompute")
 
@@ -91,77 +93,82 @@ class RankDevice:
                 "device_budget_bytes": self.device.budget_bytes}
 
 
+class _PlacedPass:
+    """One pass of a placed layer as the offload stream's host (offload/chunked.py,
+    StreamHost): the experts with rows here in ascending id, backward in reverse; a whole
+    expert's gradient into the store by its owner (here), a split one's into `buf_SP` for
+    the group's all-reduce."""
+
+    last_micro_batch = True     # the step is the shared store's, between barriers
+
+    def __init__(self, layer: "StreamedSharedExperts", owners: tuple, split: tuple) -> None:
+        self.layer, self.owners, self.split = layer, owners, split
+        self.activation_policy = layer.policy
+        self.slot = {e: i for i, e in enumerate(split)}
+        self.buf_SP: torch.Tensor | None = None
+        self.rank = -1
+
+    def chunk_orders(self, layer: int, chunk_counts, traced: bool) -> list[list[int]]:
+        return [[e for e, n in enumerate(counts) if n] for counts in chunk_counts]
+
+    def chunk_backward_orders(self, layer: int, orders, last: bool, last_chunk):
+        return [order[::-1] for order in orders]
+
+    def walk(self, layer: int, order: list[int], grad_bytes: int = 0):
+        return self.layer.rank_device.cache.walk(layer, order, headroom=grad_bytes)
+
+    def reserve_gradient(self, key, nbytes: int):
+        return self.layer.rank_device.device.reserve(nbytes, f"gradient of expert {key}",
+                                                     block=True)
+
+    def hand_gradient(self, key, grads, reservation, last: bool) -> None:
+        try:
+            g_P = torch.cat([g.reshape(-1).float() for g in grads])
+        finally:
+            reservation.release()
+        e = key[1]
+        if e in self.slot:
+            self.buf_SP[self.slot[e]] = g_P
+        else:
+            assert self.rank is None or self.owners[e] == self.rank, (e, self.rank)
+            self.layer.accumulate(e, g_P)
+
+
 class _StreamedFn(torch.autograd.Function):
     """The experts with rows here, streamed one at a time; gradients into the store."""
 
     @staticmethod
     def forward(ctx, anchor, x_RD, layer: "StreamedSharedExperts", counts: tuple,
                 owners: tuple, split: tuple, group):
-        starts = row_starts(counts)
-        active = [e for e, n in enumerate(counts) if n]
-        keep = layer.policy == "keep"
-        y_RD = x_RD.new_empty(x_RD.shape[0], layer.d_model)
-        saved = {}
-        for e, w_P in layer.rank_device.cache.walk(layer.layer_index, active):
-            s, n = starts[e], counts[e]
-            y_ND, h1_NF, h3_NF = ffn_forward(x_RD[s:s + n], (n,), layer.weights(w_P), layer.act)
-            y_RD[s:s + n] = y_ND
-            if keep:
-                saved[e] = (h1_NF, h3_NF)
-            del w_P
-        ctx.layer, ctx.counts, ctx.owners, ctx.split, ctx.group = layer, counts, owners, \
-            split, group
-        ctx.active, ctx.saved = active, saved
+        placed = _PlacedPass(layer, owners, split)
+        runner = StreamedChunkRunner(layer, [counts], 1.0, traced=False, host=placed)
+        y_RD = runner.forward(0, x_RD, keep=True)
+        ctx.runner, ctx.placed, ctx.group = runner, placed, group
         ctx.save_for_backward(x_RD)
         return y_RD
 
     @staticmethod
     def backward(ctx, gy_RD):
         (x_RD,) = ctx.saved_tensors
-        layer, counts, saved = ctx.layer, ctx.counts, ctx.saved
-        need_dx = ctx.needs_input_grad[1]
-        gy_RD = gy_RD.contiguous()
-        dx_RD = torch.zeros_like(x_RD) if need_dx else None
-        starts = row_starts(counts)
-        rank = None if ctx.owners is None else dist.get_rank(ctx.group)   # None: forward_rows
-        numel = layer.layout.numel
-        slot = {e: i for i, e in enumerate(ctx.split)}
-        buf_SP = torch.zeros(len(ctx.split), numel, dtype=torch.float32)
-        device = layer.rank_device.device
-        for e, w_P in layer.rank_device.cache.walk(layer.layer_index, reversed(ctx.active),
-                                                   headroom=4 * numel):
-            s, n = starts[e], counts[e]
-            grad_res = device.reserve(4 * numel, f"gradient of expert {(layer.layer_index, e)}",
-                                      block=True)
-            try:
-                w = layer.weights(w_P)
-                x_ND = x_RD[s:s + n]
-                h1_NF, h3_NF = saved.pop(e, None) or ffn_forward(x_ND, (n,), w, layer.act)[1:]
-                dx_ND, gw, _ = ffn_backward(gy_RD[s:s + n], x_ND, h1_NF, h3_NF, (n,), w,
-                                            layer.act, need_dx=need_dx)
-                g_P = torch.cat([getattr(gw, name).reshape(-1).float()
-                                 for name in layer.layout.names])
-            finally:
-                grad_res.release()
-            del w_P
-            if need_dx:
-                dx_RD[s:s + n] = dx_ND
-            if e in slot:
-                buf_SP[slot[e]] = g_P
-            else:
-                assert rank is None or ctx.owners[e] == rank, (e, rank)
-                layer.accumulate(e, g_P)
-        if ctx.split:
+        runner, placed = ctx.runner, ctx.placed
+        placed.rank = None if placed.owners is None else dist.get_rank(ctx.group)  # None:
+        # forward_rows (every expert owned here)
+        placed.buf_SP = torch.zeros(len(placed.split), runner.layer.layout.numel,
+                                    dtype=torch.float32)
+        dx_RD, _ = runner.backward(0, x_RD, gy_RD.contiguous(), None, ctx.needs_input_grad[1],
+                                   False)
+        if placed.split:
             with collective_errors("split-expert gradient all-reduce", ctx.group):
-                dist.all_reduce(buf_SP, group=ctx.group)
-            for i, e in enumerate(ctx.split):
-                if ctx.owners[e] == rank:
-                    layer.accumulate(e, buf_SP[i])
-        ctx.saved = None
+                dist.all_reduce(placed.buf_SP, group=ctx.group)
+            for i, e in enumerate(placed.split):
+                if placed.owners[e] == placed.rank:
+                    runner.layer.accumulate(e, placed.buf_SP[i])
+        runner.input_grads(())
+        ctx.runner = ctx.placed = None
         return None, dx_RD, None, None, None, None, None
 
 
-class StreamedSharedExperts(nn.Module):
+class StreamedSharedExperts(GroupedExpertMath, nn.Module):
     """All E FFN experts of one layer of the node's store, streamed through this rank's device
     (see the module docstring). Declares PLACED, STREAMED and FFN_SHAPE."""
 
@@ -203,11 +210,6 @@ class StreamedSharedExperts(nn.Module):
     def tier(self) -> str:
         return self.store.config.tier
 
-    def weights(self, w_P: torch.Tensor) -> FFNWeights:
-        """Single-expert FFNWeights ([1, ...] views) over a flat compute copy."""
-        parts = self.layout.split(w_P)
-        return FFNWeights(*(parts[n].unsqueeze(0) if n in parts else None for n in PARAM_NAMES))
-
     def accumulate(self, e: int, g_P: torch.Tensor) -> None:
         """Add a gradient to expert e's fp32 accumulator in the store (the owner only)."""
         key = (self.layer_index, e)
@@ -233,6 +235,14 @@ class StreamedSharedExperts(nn.Module):
 
     def forward_placed(self, x_RD: torch.Tensor, counts: Sequence[int], owners_E: list[int],
                        split_experts: list[int], group) -> torch.Tensor:
+        if x_RD.device.type != "cpu":
+            raise ValueError(f"StreamedSharedExperts runs on gloo CPU ranks (a simulated "
+                             f"device); the rows arrive on {x_RD.device}")
+        if compute_dtype(x_RD) != torch.float32:
+            raise ValueError("StreamedSharedExperts computes in fp32; run the MoE layer "
+                             "without autocast (train.precision fp32)")
+        if not torch.is_grad_enabled() and self.before_inference is not None:
+            self.before_inference()     # e.g. the disk tier's views agreed after a load
         self.owners_E = list(owners_E)
         return self._run(x_RD, counts, tuple(owners_E), tuple(split_experts), group)
 
@@ -243,14 +253,6 @@ class StreamedSharedExperts(nn.Module):
         return self._run(x_RD, counts, None, (), None)
 
     def _run(self, x_RD, counts, owners, split, group) -> torch.Tensor:
-        if x_RD.device.type != "cpu":
-            raise ValueError(f"StreamedSharedExperts runs on gloo CPU ranks (a simulated "
-                             f"device); the rows arrive on {x_RD.device}")
-        if compute_dtype(x_RD) != torch.float32:
-            raise ValueError("StreamedSharedExperts computes in fp32; run the MoE layer "
-                             "without autocast (train.precision fp32)")
-        if not torch.is_grad_enabled() and self.before_inference is not None:
-            self.before_inference()     # e.g. the disk tier's views agreed after a load
         anchor = self.anchor if torch.is_grad_enabled() else self.anchor.detach()
         return _StreamedFn.apply(anchor, x_RD.float().contiguous(), self, tuple(counts),
                                  owners, split, group)
