@@ -331,3 +331,19 @@ def test_a_file_removed_under_the_store_fails_its_own_access_only(tmp_path):
     store.release((0, 1))
     with pytest.raises(OSError, match="expert00003"):
         store.acquire((0, 3), M)
+
+
+def test_disk_tier_keeps_about_two_fp32_records_in_flight():
+    """Reads and writes in flight by default: 2 records of fp32 state, as many compact records
+    as carry about the same bytes (at most 4), the number given if one is."""
+    from moescale.offload.disk_tier import DiskTier, records_in_flight
+    from moescale.offload.state_format import StateFormat
+    assert records_in_flight(StateFormat()) == 2
+    assert records_in_flight(StateFormat(master="fp32", moments="bf16")) == 3
+    for master, moments in (("bf16", "int8"), ("fp32", "int8"), ("bf16", "bf16")):
+        assert records_in_flight(StateFormat(master=master, moments=moments)) == 4
+    tier = DiskTier("/nonexistent-not-created", 1 << 20, state=StateFormat(moments="int8"))
+    try:
+        assert (tier.max_reads, tier.max_writes) == (4, 4)
+    finally:
+        tier.close()
