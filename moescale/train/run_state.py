@@ -158,6 +158,7 @@ class RunState:
             pid.update(zip(mine, ids))
             g = {k: (tuple(v) if k == "betas" else v) for k, v in saved.items()
                  if k != "params"}
+            g["foreach"] = group.get("foreach")    # this optimizer's kernels (optim.py), not state
             loaded_groups.append(dict(g, params=ids))
         opt_state: dict[int, dict] = {}
         params = dict(self.model.named_parameters())
