@@ -9,9 +9,12 @@ Memory: fresh processes per (N, mode), `--mem-steps` steps each; per rank, the b
 dense parameters it holds (its shards when sharded) and of their AdamW state (exp_avg,
 exp_avg_sq), and the peak resident set (VmHWM) twice: over the whole process (which includes
 building the whole model before it is sharded: every rank builds the same initial weights)
-and over the training steps only (VmHWM reset after the build; the process's RSS before the
-model existed is given to subtract). The target: dense bytes sharded <= (1/N + 10%) of
-replicated.
+and over the training steps only (VmHWM reset after the build), glibc told to return freed
+blocks of 64 KiB or more at once so that the resident set follows the live tensors; "RSS
+growth" is the steps' peak less the process's RSS before the model existed (torch, gloo),
+which holds the unsharded rest too (this rank's resident experts with their gradients and
+AdamW state, activations, the replicated mode's all-reduce buffer). The target: dense bytes
+sharded <= (1/N + 10%) of replicated.
 
 Step time: 2 ranks holding both a sharded and a replicated copy of the model, stepped
 alternately (`--runs` interleaved repetitions after `--warmup`, the order rotated, a barrier
@@ -21,7 +24,7 @@ of `--batch` sequences of `--seq` tokens per rank, the gradient sync (replicated
 coalesced all-reduce; sharded: FSDP's reduce-scatter during backward), global-norm clipping
 and the AdamW step.
 
-    moescale bench scale-out [--d-model 768] [--layers 8] [--vocab 4096] [--batch 2]
+    moescale bench scale-out [--d-model 768] [--layers 8] [--vocab 4096] [--d-ff 64] [--batch 2]
         [--seq 64] [--ranks 2,4] [--mem-steps 3] [--runs 15] [--warmup 2] [--out PATH]
 
 Writes runs/bench/<time>/scale_out_<hardware>.json (or --out) with the CPU flags and the
@@ -103,13 +106,14 @@ def _dense_bytes(model, optimizer) -> tuple[int, int]:
 
 
 def _memory_rank(rank: int, world: int, args: dict, mode: str) -> dict:
+    from moescale.bench.ep_memory_rank import release_freed_memory, rss_bytes
     from moescale.parallel.groups import ParallelConfig, build_groups
     from moescale.proc_stats import peak_rss_bytes, reset_peak_rss
 
+    released = release_freed_memory()     # the resident set follows the live tensors
     groups = build_groups(ParallelConfig(backend="gloo", timeout_s=600))
     torch.set_num_threads(1)
-    reset_peak_rss()
-    before = peak_rss_bytes()        # VmHWM just reset: the RSS now
+    before = rss_bytes()
     model, optimizer = _model(args, groups, mode)
     build_peak = peak_rss_bytes()
     reset_peak_rss()
@@ -118,6 +122,7 @@ def _memory_rank(rank: int, world: int, args: dict, mode: str) -> dict:
     params, state = _dense_bytes(model, optimizer)
     return dict(rank=rank, dense_param_bytes=params, dense_adamw_bytes=state,
                 dense_bytes=params + state, rss_before_model_bytes=before,
+                rss_after_steps_bytes=rss_bytes(), glibc_releases_freed_blocks=released,
                 process_peak_rss_bytes=max(build_peak, peak_rss_bytes()),
                 steps_peak_rss_bytes=peak_rss_bytes())
 
@@ -144,27 +149,38 @@ def _time_rank(rank: int, world: int, args: dict) -> dict:
     return {m: row for m, row in zip(MODES, times.tolist())}
 
 
+def _growth(rank: dict) -> int:
+    """The peak resident set of the training steps above the process's before the model."""
+    return rank["steps_peak_rss_bytes"] - rank["rss_before_model_bytes"]
+
+
 def _memory(args: dict, ranks: list[int]) -> list[dict]:
     rows = []
-    print(f"{'N':>2} {'mode':<9} {'dense MB/rank':>14} {'x replicated':>12} "
-          f"{'target':>7} {'steps peak RSS MB':>18} {'process peak MB':>16}")
+    print(f"{'N':>2} {'mode':<9} {'dense MB/rank':>14} {'x replicated':>12} {'target':>7} "
+          f"{'RSS growth MB':>14} {'x repl.':>8} {'steps peak MB':>14} {'process peak MB':>16}")
     for n in ranks:
         per_mode = {}
         for mode in MODES:
             results = run_local(_memory_rank, n, (args, mode), timeout_s=600, deadline_s=1800)
             per_mode[mode] = [r.value for r in results]
         rep = max(r["dense_bytes"] for r in per_mode["replicate"])
+        rep_growth = max(_growth(r) for r in per_mode["replicate"])
         for mode in MODES:
             worst = max(per_mode[mode], key=lambda r: r["dense_bytes"])
             ratio = worst["dense_bytes"] / rep
             target = 1.0 if mode == "replicate" else 1.0 / n + 0.10
+            growth = max(_growth(r) for r in per_mode[mode])
             steps_peak = max(r["steps_peak_rss_bytes"] for r in per_mode[mode])
             process_peak = max(r["process_peak_rss_bytes"] for r in per_mode[mode])
             print(f"{n:>2} {mode:<9} {worst['dense_bytes'] / 1e6:>14.1f} {ratio:>12.3f} "
-                  f"{target:>7.2f} {steps_peak / 1e6:>18.1f} {process_peak / 1e6:>16.1f}")
+                  f"{target:>7.2f} {growth / 1e6:>14.1f} {growth / rep_growth:>8.3f} "
+                  f"{steps_peak / 1e6:>14.1f} {process_peak / 1e6:>16.1f}")
             rows.append(dict(ranks=n, mode=mode, dense_bytes_max_rank=worst["dense_bytes"],
                              ratio_to_replicated=ratio, target_ratio=target,
-                             within_target=ratio <= target + 1e-12, per_rank=per_mode[mode]))
+                             within_target=ratio <= target + 1e-12,
+                             rss_growth_max_rank=growth,
+                             rss_growth_ratio_to_replicated=growth / rep_growth,
+                             per_rank=per_mode[mode]))
     return rows
 
 
@@ -174,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=768, help="model width (a multiple of 64)")
     ap.add_argument("--layers", type=int, default=8, help="transformer blocks")
     ap.add_argument("--vocab", type=int, default=4096, help="vocabulary (tied embedding)")
-    ap.add_argument("--d-ff", type=int, default=256, help="expert hidden width")
+    ap.add_argument("--d-ff", type=int, default=64,
+                    help="expert hidden width (small: the resident set is mostly the dense half)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--ranks", default="2,4", help="world sizes of the memory measurement")
