@@ -26,21 +26,43 @@ Legend: W world size, P expert-parallel size.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moescale.layers.moe import MoE
 from moescale.parallel.all_to_all import collective_errors
 from moescale.parallel.expert_parallel import is_expert_parameter
 
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:      # torch < 2.5: no tensor is ever sharded (require_fsdp2 refuses)
+    class DTensor:       # type: ignore[no-redef]
+        """Stand-in of an older torch: nothing is an instance."""
 
-def dense_mesh(world_size: int, ep_size: int, device_type: str = "cpu") -> DeviceMesh:
-    """The 1-D mesh the dense half is sharded over: the (dp, ep) mesh of the world flattened
-    (every rank; see the module docstring). Collective: every rank calls it."""
+    distribute_tensor = None
+
+
+def require_fsdp2() -> None:
+    """ValueError unless this torch has FSDP2 with ignored parameters (torch >= 2.7)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        fully_shard = None
+    if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise ValueError(f"parallel.dense='shard' needs FSDP2 with ignored parameters "
+                         f"(torch.distributed.fsdp.fully_shard, torch >= 2.7); this is torch "
+                         f"{torch.__version__}: upgrade torch or use parallel.dense replicate")
+
+
+def dense_mesh(world_size: int, ep_size: int, device_type: str = "cpu"):
+    """The 1-D DeviceMesh the dense half is sharded over: the (dp, ep) mesh of the world
+    flattened (every rank; see the module docstring). Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    require_fsdp2()
     if world_size % ep_size:
         raise ValueError(f"ep_size={ep_size} does not divide the world of {world_size} ranks")
     mesh_2d = init_device_mesh(device_type, (world_size // ep_size, ep_size),
@@ -58,11 +80,13 @@ def expert_params(model: nn.Module) -> set[nn.Parameter]:
     return out
 
 
-def shard_dense(model: nn.Module, mesh: DeviceMesh) -> None:
+def shard_dense(model: nn.Module, mesh) -> None:
     """fully_shard each transformer block, then the root, experts ignored (module docstring).
     The blocks free their gathered parameters after forward (gathered again for backward);
     the root keeps its own (embeddings, final norm, head) until backward, which needs them at
     once. `forward_cached` (generation) gathers like `forward`."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
     ignored = expert_params(model)
     for block in getattr(model, "blocks", ()):
         fully_shard(block, mesh=mesh, reshard_after_forward=True,

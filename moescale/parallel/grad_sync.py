@@ -26,10 +26,9 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moescale.parallel.all_to_all import collective_errors
-from moescale.parallel.dense_shard import grad_max, grad_square_sum, scale_grads_
+from moescale.parallel.dense_shard import DTensor, grad_max, grad_square_sum, scale_grads_
 from moescale.parallel.expert_parallel import is_expert_parameter
 from moescale.parallel.groups import ParallelGroups
 

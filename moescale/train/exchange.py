@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moescale.layers.moe import MoE
 from moescale.parallel.choices import pipeline_choices
-from moescale.parallel.dense_shard import dense_mesh, shard_dense
+from moescale.parallel.dense_shard import dense_mesh, require_fsdp2, shard_dense
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
                                        static_load_stats)
 from moescale.parallel.expert_parallel import expert_parallel_model
@@ -67,6 +67,8 @@ def check_exchange(config: RunConfig) -> None:
     """The exchange's own refusals of options it cannot serve together (before any process
     or thread starts)."""
     pc, where = config.parallel, "parallel.placement='dynamic'"
+    if pc.dense == "shard":
+        require_fsdp2()
     if pc.placement == "static":
         if not pc.split:
             raise ValueError("parallel.split=false applies to parallel.placement dynamic "

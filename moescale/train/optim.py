@@ -16,8 +16,8 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from moescale.parallel.dense_shard import DTensor
 from moescale.train.config import OptimSection
 
 

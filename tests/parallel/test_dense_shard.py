@@ -5,7 +5,8 @@ sharded with FSDP2 computes, step after step, the single-process model's loss, i
 gradient norm (2-norm and inf-norm: sharded dense gradients reduced over the mesh, expert
 gradients over the EP group) and, after clipping, its gradients (gathered whole); the step
 guard's dense norm (eager offloading) over the sharded gradients is the whole ones'. The config
-refuses an unknown `dense` value with the choices.
+refuses an unknown `dense` value with the choices, and a torch whose fully_shard cannot ignore
+parameters (torch 2.6's signature, patched in: this torch has it) is refused with the fix.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ def test_an_unknown_dense_mode_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"dense='zero3' is unknown; use one of replicate, "
                                          r"shard"):
         ParallelConfig(dense="zero3")
+
+
+def test_a_torch_without_fsdp2_ignored_params_is_refused_with_the_fix(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+
+    from moescale.parallel.dense_shard import require_fsdp2
+
+    require_fsdp2()                  # this torch has it
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, *, mesh=None: module)  # torch 2.6's
+    with pytest.raises(ValueError, match=r"needs FSDP2 with ignored parameters .* upgrade torch "
+                                         r"or use parallel.dense replicate"):
+        require_fsdp2()
 
 
 def _clip_worker(rank: int, world: int, norm_type: float):
