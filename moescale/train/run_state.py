@@ -33,7 +33,7 @@ import torch
 from moescale.expert_state import (SHARDS_PREFIX, expert_parameters, expert_state_keys,
                                    load_expert_shards, save_expert_shards, shards_dir)
 from moescale.models.resident import dense_state_dict
-from moescale.parallel.dense_shard import full_dense, shard_like
+from moescale.parallel.dense_shard import full_dense, is_sharded, shard_like
 from moescale.layers.moe import MoE
 from moescale.train.checkpoint import list_checkpoints, nonfinite, optimizer_from_flat
 from moescale.train.legacy_state import LegacyState
@@ -123,9 +123,10 @@ class RunState:
         if state.get("format") != FORMAT:
             return self._load_legacy(ckpt_dir, tensors, state)
         skip = expert_state_keys(self.model)
-        own = self.model.state_dict()
         dense = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        dense = {k: shard_like(v, own.get(k)) for k, v in dense.items()}     # sharded: cut
+        if is_sharded(self.model):     # parallel.dense shard: each rank cuts its pieces
+            own = dense_state_dict(self.model)
+            dense = {k: shard_like(v, own.get(k)) for k, v in dense.items()}
         missing, unexpected = self.model.load_state_dict(dense, strict=False)
         missing = [k for k in missing if k not in skip]
         if missing or unexpected:
