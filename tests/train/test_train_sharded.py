@@ -4,16 +4,17 @@ Real gloo processes on 127.0.0.1: on 2 and 4 ranks, static expert parallelism wi
 and host-tier experts, and dynamic placement on 2 ranks, train 10 AdamW steps (grad_clip 1.0,
 so the global-norm clip of sharded dense + expert gradients is live) and must log the losses,
 validation losses and grad norms of single-process resident training within 1e-4 (relative)
-and the same routed token counts. The 2-D mesh with expert replicas (4 ranks as 2 EP groups
-x 2) is compared with the replicated run of the same layout (its balance loss is each EP
-group's, not the single process's). A sharded run's dense parameters really are shards (half
-or a quarter of each dim-0 per rank, the AdamW state of the shard only), and checkpoints
-resume at another world size and sharding (sharded 2 -> 1 process, sharded 4 -> sharded 2,
-one process -> sharded 2) with the same losses.
+and the same routed token counts, and generate the same end-of-run sample. The 2-D mesh
+with expert replicas (4 ranks as 2 EP groups x 2) is compared with the replicated run of the
+same layout (its balance loss is each EP group's, not the single process's). A sharded run's
+dense parameters really are shards (half or a quarter of each dim-0 per rank, the AdamW state
+of the shard only), and checkpoints resume at another world size and sharding (sharded 2 -> 1
+process, sharded 4 -> sharded 2, one process -> sharded 2) with the same losses.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 OPTIONS = dict(TINY, **{"train.steps": str(STEPS), "train.eval_interval": "5",
                         "train.checkpoint_interval": "5", "train.keep_last": "2",
-                        "optim.grad_clip": "1.0"})
+                        "optim.grad_clip": "1.0", "train.sample_tokens": "8"})
 SHARD = {"parallel.dense": "shard"}
 CASES = {   # name: (ranks, overrides)
     "ep2-resident": (2, {"parallel.ep_size": "2"}),
@@ -90,6 +91,9 @@ def test_sharded_dense_half_trains_the_single_process_run(reference, sharded, ca
     ref_dir, want = reference
     run_dir = sharded(case)
     assert_close_run(run_records(run_dir), want, rel=1e-4)
+    # the end-of-run sample (generation gathers the shards like forward) is the same text
+    sample = json.loads((run_dir / "summary.json").read_text())["sample"]
+    assert sample and sample == json.loads((ref_dir / "summary.json").read_text())["sample"]
     # the checkpoint holds the whole dense half (gathered), as the single process's
     tensors, _ = load_checkpoint(checkpoint_path(run_dir / "checkpoints", STEPS))
     one, _ = load_checkpoint(checkpoint_path(ref_dir / "checkpoints", STEPS))
