@@ -34,6 +34,9 @@ BENCHMARKS = {
                  "pipelined all-to-all: step time per chunk count, tuner pick, overlap"),
     "ep-offload": ("moescale.bench.ep_offload",
                    "pipelined EP with host-tier experts vs the unpipelined offloaded path"),
+    "scale-out": ("moescale.bench.scale_out",
+                  "sharded (FSDP2) vs replicated dense half: memory per rank at N = 2, 4; "
+                  "step time"),
     "generate": ("moescale.bench.generate",
                  "KV-cached generation with disk-tier experts: bytes/token vs minimum, disk rate"),
     "data": ("moescale.bench.data_tokenize",

@@ -248,7 +248,8 @@ class OffloadEngine:
         grads = [p.grad for p in dense_params if p.grad is not None]
         dense_sq = torch.zeros((), dtype=torch.float32)
         for g in grads:
-            dense_sq += g.detach().float().norm(2).square()
+            sq = g.detach().float().norm(2).square()
+            dense_sq += sq.full_tensor() if hasattr(sq, "full_tensor") else sq  # sharded dense
         expert_sq = self.optimizer.grad_norm_sq()
         if reduce_expert_sq is not None:
             expert_sq = reduce_expert_sq(expert_sq)

@@ -15,7 +15,8 @@ ranks; `global_mean_weight` handles unequal counts). Then:
 replicated gradients counted once, expert gradients summed over the EP group.
 
 It does not overlap reduction with backward (DDP does that for the replicated part when used)
-and does not shard optimizer state.
+and does not shard optimizer state; `parallel.dense shard` does both for the dense half
+(dense_shard.py: FSDP2), and the functions here then skip or reduce its DTensor gradients.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moescale.parallel.all_to_all import collective_errors
+from moescale.parallel.dense_shard import DTensor, grad_max, grad_square_sum, scale_grads_
 from moescale.parallel.expert_parallel import is_expert_parameter
 from moescale.parallel.groups import ParallelGroups
 
@@ -68,8 +70,11 @@ def _average(params: list[nn.Parameter], group, size: int, what: str) -> None:
 
 
 def allreduce_gradients(model: nn.Module, groups: ParallelGroups) -> None:
-    """Average replicated grads over the world and expert grads over the shard's DP group."""
-    _average(replicated_parameters(model), groups.world_group, groups.world_size,
+    """Average replicated grads over the world and expert grads over the shard's DP group.
+    Sharded dense parameters (DTensors: parallel.dense shard) are left alone: FSDP
+    reduce-scattered their gradients during backward."""
+    replicated = [p for p in replicated_parameters(model) if not isinstance(p, DTensor)]
+    _average(replicated, groups.world_group, groups.world_size,
              "replicated-gradient all-reduce")
     _average(expert_parameters(model), groups.dp_group, groups.dp_size,
              "expert-gradient all-reduce")
@@ -113,15 +118,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups,
             return torch.stack([g.detach().abs().max().float() for g in grads]).max()
         return sum(g.detach().float().square().sum() for g in grads)
 
+    sharded = [g for g in rep if isinstance(g, DTensor)]     # parallel.dense shard (FSDP2)
+    rep_part = part([g for g in rep if not isinstance(g, DTensor)])
+    if sharded:      # their shards are disjoint over the dense mesh: reduced over it
+        rep_part = torch.maximum(rep_part, grad_max(sharded, device)) if inf else \
+            rep_part + grad_square_sum(sharded, device)
     exp_part = part(exp).reshape(1).clone()
     with collective_errors("grad-norm all-reduce", groups.ep_group):
         dist.all_reduce(exp_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                         group=groups.ep_group)
     if inf:
-        total = torch.maximum(part(rep), exp_part[0])
+        total = torch.maximum(rep_part, exp_part[0])
     else:
-        total = (part(rep) + exp_part[0]).sqrt()
+        total = (rep_part + exp_part[0]).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in rep + exp:
-        g.mul_(coef.to(g.dtype))
+    scale_grads_(rep + exp, coef)
     return total

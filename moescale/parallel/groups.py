@@ -32,6 +32,7 @@ from moescale.sizes import Size
 BACKENDS = ("auto", "gloo", "nccl")
 REUSE_CHOICES = (*STRATEGY_NAMES, "auto")
 PLACEMENTS = ("static", "dynamic")
+DENSE_MODES = ("replicate", "shard")
 
 
 @dataclass(kw_only=True)
@@ -62,6 +63,10 @@ class ParallelConfig:
                                     # share over several devices
     node_size: int = 0              # dynamic: ranks per node (each node its own expert copy,
                                     # gradients averaged across nodes); 0: the ranks of a machine
+    dense: str = "replicate"        # the dense half (attention, embeddings, routers, norms):
+                                    # replicate (every rank a full copy, gradients all-reduced)
+                                    # | shard (FSDP2 over every rank that replicates it; one
+                                    # process: nothing to shard). docs/scale_out.md
 
     def __post_init__(self) -> None:
         if self.chunks != "auto" and (not isinstance(self.chunks, int) or
@@ -85,6 +90,9 @@ class ParallelConfig:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is unknown; use one of "
                              f"{', '.join(PLACEMENTS)}")
+        if self.dense not in DENSE_MODES:
+            raise ValueError(f"dense={self.dense!r} is unknown; use one of "
+                             f"{', '.join(DENSE_MODES)} (how the dense half is held per rank)")
         if not isinstance(self.node_size, int) or self.node_size < 0:
             raise ValueError(f"node_size={self.node_size!r} must be >= 0 (0: the ranks of each "
                              "machine; N: nodes of N consecutive ranks)")

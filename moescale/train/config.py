@@ -35,7 +35,8 @@ from moescale.offload.config import OFFLOAD_TIERS, PLANNER_RATES, OffloadConfig
 from moescale.offload.experts import POLICIES
 from moescale.offload.optimizer import STEP_MODES
 from moescale.offload.state_format import MASTERS, MOMENTS
-from moescale.parallel.groups import BACKENDS, PLACEMENTS, REUSE_CHOICES, ParallelConfig
+from moescale.parallel.groups import (BACKENDS, DENSE_MODES, PLACEMENTS, REUSE_CHOICES,
+                                      ParallelConfig)
 from moescale.routing.config import ROUTER_KINDS
 from moescale.train.field_docs import field_docs
 from moescale.train.options import convert, type_name
@@ -302,6 +303,7 @@ CHOICES = {"model.size": MODEL_SIZES, "model.router": ROUTER_KINDS, "optim.sched
            "offload.rates": PLANNER_RATES, "offload.master": MASTERS,
            "offload.moments": MOMENTS, "parallel.reuse": REUSE_CHOICES,
            "parallel.placement": PLACEMENTS, "parallel.backend": BACKENDS,
+           "parallel.dense": DENSE_MODES,
            "data.token_dtype": TOKEN_DTYPES}
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}

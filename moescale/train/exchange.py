@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from moescale.layers.moe import MoE
 from moescale.parallel.choices import pipeline_choices
+from moescale.parallel.dense_shard import dense_mesh, require_fsdp2, shard_dense
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
                                        static_load_stats)
 from moescale.parallel.expert_parallel import expert_parallel_model
@@ -66,6 +67,8 @@ def check_exchange(config: RunConfig) -> None:
     """The exchange's own refusals of options it cannot serve together (before any process
     or thread starts)."""
     pc, where = config.parallel, "parallel.placement='dynamic'"
+    if pc.dense == "shard":
+        require_fsdp2()
     if pc.placement == "static":
         if not pc.split:
             raise ValueError("parallel.split=false applies to parallel.placement dynamic "
@@ -95,6 +98,17 @@ def check_exchange(config: RunConfig) -> None:
         raise ValueError(f"{where} with train.device={config.train.device!r} is not supported: "
                          "the experts compute on the shared host copy (CPU ranks, gloo); use "
                          "train.device cpu (or auto)")
+
+
+def shard_dense_half(config: RunConfig, groups, model) -> str:
+    """`parallel.dense shard`: the model's dense half sharded with FSDP2 over every rank
+    (moescale/parallel/dense_shard.py), after the MoE layers got their dispatchers; the
+    words for the run's summary ("" when replicated)."""
+    if config.parallel.dense != "shard":
+        return ""
+    device_type = "cuda" if dist.get_backend(groups.world_group) == "nccl" else "cpu"
+    shard_dense(model, dense_mesh(groups.world_size, groups.ep_size, device_type))
+    return f"; dense half sharded over {groups.world_size} ranks (FSDP2)"
 
 
 def check_launch(config: RunConfig) -> None:
@@ -151,11 +165,14 @@ class StaticExchange:
                              f"launch with `torchrun --nproc-per-node {pc.ep_size} -m moescale "
                              "train ...` (or moescale.train.launch.train_distributed)")
         check_rows(config.train.batch_size, world)
+        self.config = config
         self.pconfig = pc       # the run's [parallel] section is the library's ParallelConfig
         self.groups = init_distributed(self.pconfig)
+        self.dense = ""
 
     def prepare(self, model) -> None:
         expert_parallel_model(model, self.groups, dispatcher_factory(self.groups, self.pconfig))
+        self.dense = shard_dense_half(self.config, self.groups, model)
 
     def sync_grads(self, model) -> None:
         allreduce_gradients(model, self.groups)
@@ -180,7 +197,7 @@ class StaticExchange:
         limit = "" if pc.memory_limit_bytes is None else \
             f", memory limit {fmt_bytes(pc.memory_limit_bytes)} per layer step"
         return (f"experts split over {g.ep_size} expert-parallel ranks ({g.world_size} in all; "
-                f"chunks {pc.chunks}, reuse {pc.reuse}{limit})")
+                f"chunks {pc.chunks}, reuse {pc.reuse}{limit}{self.dense})")
 
     def close(self) -> None:
         pass
@@ -209,6 +226,7 @@ class DynamicExchange:
         self._calls = []             # placement_stats of this step's micro-batches
         self._micro = 0
         self._model = None
+        self.dense = ""
 
     def prepare(self, model) -> None:
         """Every MoE layer gets a DynamicPlacementDispatcher over the node's ranks (its
@@ -221,6 +239,7 @@ class DynamicExchange:
                     self.groups.ep_group, moe.num_experts, placement,
                     stats_group=dist.group.WORLD)
         self._model = model
+        self.dense = shard_dense_half(self.config, self.groups, model)
 
     def sync_grads(self, model) -> None:
         allreduce_gradients(model, self.groups)   # after it every backward has finished
@@ -265,7 +284,7 @@ class DynamicExchange:
 
     def describe(self) -> str:
         how = "LPT + hot-expert splitting" if self.config.parallel.split else "LPT"
-        return f"placed each iteration by {how}"
+        return f"placed each iteration by {how}{self.dense}"
 
     def close(self) -> None:
         pass

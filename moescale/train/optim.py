@@ -3,7 +3,8 @@
 `build_optimizer` makes torch's AdamW with two parameter groups: matrices (embeddings, attention,
 experts, routers) get weight decay, vectors (norms, biases) do not. `lr_at(step)` is the schedule:
 linear warmup from 0 over `warmup_steps`, then cosine or linear decay to `min_lr` at the last
-step, or constant. The schedule is a pure function of the step, so a resumed run only needs the
+step, or constant. With a sharded dense half (parallel.dense shard) AdamW holds the state of
+this rank's shards only. The schedule is a pure function of the step, so a resumed run only needs the
 step to continue it exactly (no scheduler object to checkpoint).
 
 Nothing here runs the loop or touches data.
@@ -16,6 +17,7 @@ import math
 import torch
 from torch import nn
 
+from moescale.parallel.dense_shard import DTensor
 from moescale.train.config import OptimSection
 
 
@@ -34,8 +36,11 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     decay, no_decay = decay_groups(model)
     groups = [{"params": [p for _, p in decay], "weight_decay": cfg.weight_decay},
               {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+    # sharded dense parameters (DTensors, parallel.dense shard) beside plain resident experts:
+    # torch's foreach kernels take one kind per call, so step them one by one
+    kinds = {isinstance(p, DTensor) for _, p in decay + no_decay}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             foreach=True)
+                             foreach=len(kinds) < 2)
 
 
 def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:

@@ -33,6 +33,7 @@ import torch
 from moescale.expert_state import (SHARDS_PREFIX, expert_parameters, expert_state_keys,
                                    load_expert_shards, save_expert_shards, shards_dir)
 from moescale.models.resident import dense_state_dict
+from moescale.parallel.dense_shard import full_dense, is_sharded, shard_like
 from moescale.layers.moe import MoE
 from moescale.train.checkpoint import list_checkpoints, nonfinite, optimizer_from_flat
 from moescale.train.legacy_state import LegacyState
@@ -66,7 +67,8 @@ class RunState:
         """(tensors: `model.<name>` and `optim.<name>.<key>` of the dense half, the
         optimizer's JSON-able rest: its groups' hyper-parameters and parameter names)."""
         skip = expert_state_keys(self.model)
-        tensors = {f"model.{k}": v for k, v in dense_state_dict(self.model).items() if k not in skip}
+        tensors = {f"model.{k}": full_dense(v) for k, v in dense_state_dict(self.model).items()
+                   if k not in skip}     # full_dense: a sharded dense half saved whole (collective)
         names, experts = self._names()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         sd = self.optimizer.state_dict()
@@ -77,7 +79,7 @@ class RunState:
                 continue
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim.{names[id(p)]}.{key}"] = value
+                    tensors[f"optim.{names[id(p)]}.{key}"] = full_dense(value)
                 else:
                     scalars[f"{names[id(p)]}.{key}"] = value
         groups = []
@@ -122,6 +124,9 @@ class RunState:
             return self._load_legacy(ckpt_dir, tensors, state)
         skip = expert_state_keys(self.model)
         dense = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        if is_sharded(self.model):     # parallel.dense shard: each rank cuts its pieces
+            own = dense_state_dict(self.model)
+            dense = {k: shard_like(v, own.get(k)) for k, v in dense.items()}
         missing, unexpected = self.model.load_state_dict(dense, strict=False)
         missing = [k for k in missing if k not in skip]
         if missing or unexpected:
@@ -154,12 +159,15 @@ class RunState:
             pid.update(zip(mine, ids))
             g = {k: (tuple(v) if k == "betas" else v) for k, v in saved.items()
                  if k != "params"}
+            g["foreach"] = group.get("foreach")    # this optimizer's kernels (optim.py), not state
             loaded_groups.append(dict(g, params=ids))
         opt_state: dict[int, dict] = {}
+        params = dict(self.model.named_parameters())
         for name, value in tensors.items():
             if name.startswith("optim."):
                 pname, key = name[len("optim."):].rsplit(".", 1)
-                opt_state.setdefault(pid[pname], {})[key] = value
+                like = params[pname] if value.shape == params[pname].shape else None
+                opt_state.setdefault(pid[pname], {})[key] = shard_like(value, like)
         for name, value in rest["scalars"].items():
             pname, key = name.rsplit(".", 1)
             opt_state.setdefault(pid[pname], {})[key] = value

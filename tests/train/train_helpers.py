@@ -89,6 +89,24 @@ def assert_same_run(got: list[dict], want: list[dict], first_step: int = 0,
         assert a.get("tokens_per_expert") == b.get("tokens_per_expert"), a["step"]
 
 
+def train_run(config: RunConfig, run_dir, ranks: int, steps: int, resume: bool = False) -> None:
+    """Train `config` in `run_dir` on `ranks` processes (real gloo ranks, or the Trainer on
+    this one) to `steps`, quietly; asserts it finished."""
+    import os
+
+    from moescale.train.launch import train_distributed
+    from moescale.train.trainer import Trainer
+
+    if ranks > 1:
+        code, summary = train_distributed(config, run_dir, ranks, resume=resume, quiet=True,
+                                          deadline_s=150)
+        assert code == 0 and summary["world_size"] == ranks and summary["step"] == steps
+    else:
+        trainer = Trainer(config, run_dir, resume=resume, out=open(os.devnull, "w"),
+                          err=open(os.devnull, "w"))
+        assert trainer.run() == 0
+
+
 def continue_run(src, dst, overrides: dict[str, str], ranks: int, step: int) -> list[dict]:
     """Resume a copy of run `src` from its checkpoint of `step` with `overrides` on `ranks`
     processes (the Python API) to the end; the records it logged after that checkpoint."""
