@@ -25,7 +25,7 @@ from moescale.offload.checkpoint import LATEST, OtherRunError
 
 def _engine(seed: int, tier: str, directory):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layers=2, d_model=16, n_heads=2, d_ff=32,
+    model = GPT(GPTConfig.from_flat(vocab_size=64, seq_len=8, n_layers=2, d_model=16, n_heads=2, d_ff=32,
                           num_experts=4, top_k=2, init_std=0.1))
     if tier == "disk":
         directory.mkdir()

@@ -1,9 +1,9 @@
 """The on-disk formats that hold a model's configuration stay readable across the nesting of
 GPTConfig -> MoEConfig -> RouterConfig: a run directory written by f62ced3's code (flat
 config.toml, its step-1 checkpoint) loads into the same model (its logits equal the ones that
-code computed), and the remote-code export's config.json is written key for key as that code
-wrote it, for a run's model and for a GPT with non-default fields (fixtures/f62ced3, written by
-make_fixture.py there)."""
+code computed), and the remote-code export's config.json holds every key that code wrote,
+with its value, for a run's model and for a GPT with non-default fields (fixtures/f62ced3,
+written by make_fixture.py there)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def test_a_run_written_by_f62ced3_loads_with_its_logits(tmp_path):
 
 
 def test_the_remote_code_config_json_keeps_its_keys():
+    """Every key f62ced3 wrote, with its value; added: the router fields a GPTConfig now holds
+    (at their defaults here), which the flat GPTConfig could not set."""
     written = json.loads((FIXTURES / "moescale_gpt_config.json").read_text())
-    config_json, _ = gpt_to_moescale_hf(GPT(GPTConfig(**_flat(written))))
-    assert json.loads(json.dumps(config_json)) == written
+    cfg = GPTConfig.from_flat(**_flat(written))
+    assert cfg.moe.router.kind == "gshard" and cfg.moe.bias and cfg.moe.d_ff == 24
+    config_json = json.loads(json.dumps(gpt_to_moescale_hf(GPT(cfg))[0]))
+    assert {k: config_json[k] for k in written} == written
+    assert {k: v for k, v in config_json.items() if k not in written} == dict(
+        renormalize=None, jitter_eps=0.01, noise_std_min=0.0, random_routing=True)
