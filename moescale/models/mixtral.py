@@ -68,8 +68,7 @@ def _refuse(field: str, value, why: str, fix: str) -> None:
 
 
 def check_gpt(cfg: GPTConfig) -> None:
-    """ValueError naming the first GPTConfig field (flat name) that Mixtral cannot express, and
-    the fix."""
+    """ValueError naming the first GPTConfig flat key that Mixtral cannot express, and the fix."""
     moe, rc = cfg.moe, cfg.moe.router
     if not moe.glu:
         _refuse("glu", moe.glu, "Mixtral's experts are gated: down(act(gate x) * up x)",
@@ -87,8 +86,7 @@ def check_gpt(cfg: GPTConfig) -> None:
         _refuse("top_k", rc.top_k, "with one expert moescale's topk router weighs it by its "
                 "probability, Mixtral's renormalisation by 1", "use --model.top_k 2 or more")
     if not rc.renormalize_scores:
-        _refuse("renormalize", rc.renormalize, "Mixtral renormalises the top-k scores",
-                "leave renormalize unset (None) or True")
+        _refuse("renormalize", rc.renormalize, "Mixtral renormalises the top-k", "leave it None")
     if moe.capacity_factor is not None:
         _refuse("capacity_factor", moe.capacity_factor, "Mixtral drops no token",
                 "leave model.capacity_factor unset (dropless)")

@@ -75,3 +75,18 @@ def test_sizes_and_run_options_are_flat_keys():
 def test_bad_keys_are_refused_naming_them(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_router_field_only_the_tree_sets_reaches_the_exports():
+    """renormalize (a RouterConfig field the flat GPTConfig never had) off: Mixtral cannot
+    express it, the remote-code config.json carries it."""
+    from moescale.models.export_hf import gpt_to_moescale_hf
+    from moescale.models.mixtral import check_gpt
+
+    shape = dict(vocab_size=32, seq_len=8, n_layers=1, d_model=16, n_heads=2, num_experts=4,
+                 glu=True, activation="silu")
+    check_gpt(GPTConfig.from_flat(**shape))
+    off = GPTConfig.from_flat(**shape, renormalize=False)
+    with pytest.raises(ValueError, match="renormalize=False has no Mixtral equivalent"):
+        check_gpt(off)
+    assert gpt_to_moescale_hf(GPT(off))[0]["renormalize"] is False
