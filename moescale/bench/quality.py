@@ -90,8 +90,8 @@ def run(args, seed: int) -> dict:
     if not args.threads:
         args.threads = auto_threads()[0]
     base = gpt_config(args.size)
-    top_k = args.top_k if args.top_k is not None else base.top_k
-    d_ff = args.expert_ff if args.expert_ff is not None else base.d_ff
+    top_k = args.top_k if args.top_k is not None else base.moe.top_k
+    d_ff = args.expert_ff if args.expert_ff is not None else base.moe.d_ff
     with torch_threads(args.threads):
         with tempfile.TemporaryDirectory(prefix="moescale-quality-") as root:
             trainers = {}
@@ -132,7 +132,7 @@ def run(args, seed: int) -> dict:
                     "step_s": used[name] / trainer.step,
                     "tokens": trainer.step * args.batch_size * args.seq_len,
                     "params_total": params.total, "params_active": params.active,
-                    "model": {k: getattr(trainer.model.config, k) for k in
+                    "model": {k: trainer.model.config.to_flat()[k] for k in
                               ("n_layers", "d_model", "d_ff", "num_experts", "top_k",
                                "moe_every")},
                 }

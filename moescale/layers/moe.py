@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from moescale.config_tree import FlatKeys
 from moescale.dispatch.local import LocalDispatcher
 from moescale.dispatch.plan import build_plan
 from moescale.dispatch.protocol import ExpertContainer
@@ -32,48 +33,50 @@ from moescale.routing.losses import balance_loss, z_loss
 from moescale.routing.routers import Router
 
 
-def check_loss_and_capacity(config) -> None:
-    """The capacity factor and loss coefficients a layer config (MoEConfig, GPTConfig) holds."""
-    cf = config.capacity_factor
-    if cf is not None and not (isinstance(cf, (int, float)) and 0 < cf < math.inf):
-        raise ValueError(f"capacity_factor={cf!r} must be a finite number > 0, or None for "
-                         "dropless routing")
-    for name in ("aux_loss_coef", "z_loss_coef"):
-        if not 0 <= getattr(config, name) < math.inf:
-            raise ValueError(f"{name}={getattr(config, name)!r} must be finite and >= 0")
-
-
 @dataclass(kw_only=True)
-class MoEConfig:
-    """Plain-data description of one MoE layer (validated on construction)."""
+class MoEConfig(FlatKeys):
+    """Plain-data description of one MoE layer (validated on construction): the experts' shape,
+    capacity and loss weights here, how tokens choose experts in `router` (a RouterConfig,
+    which holds num_experts and top_k; `config.num_experts` and `config.top_k` read them).
+
+    Built nested, `MoEConfig(d_model=64, router=RouterConfig(num_experts=4, top_k=1,
+    kind="switch"))`, or from flat keys, `MoEConfig.from_flat(d_model=64, num_experts=4,
+    top_k=1, router="switch")` (moescale.config_tree), as `MoE(...)`'s keywords are."""
 
     d_model: int
-    num_experts: int = 8
-    top_k: int = 2
     d_ff: int | None = None          # expert hidden width; None means 4 * d_model
     activation: str = "gelu"
     glu: bool = False
     bias: bool = False
-    router: str = "topk"
-    renormalize: bool | None = None
     capacity_factor: float | None = None   # None: dropless
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
-    jitter_eps: float = 0.01
-    noise_std_min: float = 0.0
-    random_routing: bool = True
-    router_config: RouterConfig = field(init=False, repr=False)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.d_model, int) or self.d_model < 1:
             raise ValueError(f"d_model={self.d_model!r} must be a positive integer")
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
-        check_loss_and_capacity(self)
-        self.router_config = RouterConfig(
-            kind=self.router, num_experts=self.num_experts, top_k=self.top_k,
-            renormalize=self.renormalize, jitter_eps=self.jitter_eps,
-            noise_std_min=self.noise_std_min, random_routing=self.random_routing)
+        if not isinstance(self.router, RouterConfig):
+            raise ValueError(f"router={self.router!r} must be a RouterConfig; a router kind "
+                             "goes in RouterConfig(kind=...), or use MoEConfig.from_flat("
+                             "router=...)")
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, (int, float)) and 0 < cf < math.inf):
+            raise ValueError(f"capacity_factor={cf!r} must be a finite number > 0, or None for "
+                             "dropless routing")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be finite and >= 0")
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
 
 
 @dataclass
@@ -118,6 +121,9 @@ class MoE(nn.Module):
         router="topk", renormalize=None, capacity_factor=None, aux_loss_coef=0.01,
         z_loss_coef=0.0, experts=None)
 
+    The keywords are MoEConfig's and its RouterConfig's fields under their flat names
+    (`router` is the router kind; jitter_eps, noise_std_min, random_routing too), built by
+    `MoEConfig.from_flat`; or pass `config=MoEConfig(...)` whole.
     `experts`: None (stacked FFN/GLU experts built from d_ff/activation/glu/bias), a list of
     nn.Modules (any module mapping [N, d_model] -> [N, d_model]; lists may be heterogeneous;
     num_experts defaults to its length), a factory `factory(e) -> nn.Module`, or an expert
@@ -138,9 +144,10 @@ class MoE(nn.Module):
                     else 8
             if isinstance(activation, str):
                 options["activation"] = activation
-            config = MoEConfig(d_model=d_model, num_experts=num_experts, top_k=top_k, **options)
+            config = MoEConfig.from_flat(d_model=d_model, num_experts=num_experts, top_k=top_k,
+                                         **options)
         self.config = config
-        self.router = Router(config.d_model, config.router_config, device=device, dtype=dtype)
+        self.router = Router(config.d_model, config.router, device=device, dtype=dtype)
         self.experts = _build_experts(config, experts, activation,
                                       device if expert_device is None else expert_device, dtype)
         self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()

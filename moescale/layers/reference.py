@@ -29,7 +29,7 @@ class ReferenceMoE(nn.Module):
 
     def route(self, x_TD: torch.Tensor):
         """(scores_TK, ids_TK, logits_TE, probs_TE) by dense operations, in fp32."""
-        router, cfg = self.moe.router, self.moe.config.router_config
+        router, cfg = self.moe.router, self.moe.config.router
         training = self.moe.training
         with torch.autocast(x_TD.device.type, enabled=False):
             xr_TD = x_TD.float()

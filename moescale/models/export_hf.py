@@ -21,7 +21,6 @@ so OUT is either absent or complete. OUT must not exist or be empty.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -67,14 +66,14 @@ def gpt_to_moescale_hf(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = model.config
     state = consolidated_state_dict(model)
     for key, t in state.items():
-        if key.endswith(EXPERT_SUFFIXES) and t.shape[0] != cfg.num_experts:
-            raise ValueError(f"{key} holds {t.shape[0]} of {cfg.num_experts} experts (an "
+        if key.endswith(EXPERT_SUFFIXES) and t.shape[0] != cfg.moe.num_experts:
+            raise ValueError(f"{key} holds {t.shape[0]} of {cfg.moe.num_experts} experts (an "
                              "expert-parallel shard); export a whole model: "
                              "moescale.load_run(RUN_DIR) builds one")
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     dtype = next(iter(state.values())).dtype
-    fields = dataclasses.asdict(cfg)
+    fields = cfg.to_flat()      # the GPTConfig tree's flat keys (moescale.config_tree)
     fields["num_experts_per_tok"] = fields.pop("top_k")   # transformers: top_k is sampling's
     config = dict(fields, model_type=MODEL_TYPE,
                   architectures=["MoescaleGPTForCausalLM"],

@@ -33,20 +33,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moescale.config_tree import FlatKeys
 from moescale.layers.activations import ACTIVATIONS, Activation
 from moescale.layers.experts import GroupedExperts
-from moescale.layers.moe import MoE, check_loss_and_capacity, collect_aux_loss
+from moescale.layers.moe import MoE, MoEConfig, collect_aux_loss
 from moescale.models.kv_cache import KVCache, causal_mask
 
 
 @dataclass(kw_only=True)
-class GPTConfig:
+class GPTConfig(FlatKeys):
     """Plain-data description of a GPT MoE language model (validated on construction).
 
-    d_ff: hidden width of each expert and of the dense FFNs (None: 4 * d_model).
+    The transformer's own fields here; the FFN's (expert width d_ff, activation, glu, capacity,
+    loss weights, and inside it the router with num_experts and top_k) in `moe`, the
+    `moescale.MoE` config every MoE layer is built from (a dense FFN layer takes its d_ff,
+    activation and glu). `moe` None: the default MoEConfig at this d_model and bias.
+    Built nested, or from flat keys as a size's overrides are: `GPTConfig.from_flat(d_model=64,
+    num_experts=4, top_k=1, router="switch")` (moescale.config_tree; `to_flat()` is the way
+    back).
+
     moe_every: 1 puts an MoE FFN in every layer, 2 in every other layer (layers 1, 3, ...),
         n in layers n-1, 2n-1, ...; 0 builds a fully dense model (a baseline).
-    router / capacity_factor / aux_loss_coef / z_loss_coef: passed to each `moescale.MoE`.
+    bias: biases on every projection, attention and FFN (moe.bias must agree).
     """
 
     vocab_size: int = 256
@@ -55,35 +63,35 @@ class GPTConfig:
     d_model: int = 128
     n_heads: int = 4
     n_kv_heads: int | None = None     # grouped-query attention (None: n_heads, multi-head)
-    d_ff: int | None = None
-    num_experts: int = 8
-    top_k: int = 2
-    router: str = "topk"
-    capacity_factor: float | None = None
-    glu: bool = False
-    activation: str = "gelu"
     moe_every: int = 1
     tie_embeddings: bool = True
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
     dropout: float = 0.0
     bias: bool = False
     qkv_bias: bool = False        # biases on the q/k/v projections only (Qwen2)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "num_experts",
-                     "top_k"):
+        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
-        if not isinstance(self.d_ff, int) or self.d_ff < 1:
-            raise ValueError(f"d_ff={self.d_ff!r} must be a positive integer or None "
-                             "(None means 4 * d_model)")
+        if self.moe is None:
+            self.moe = MoEConfig(d_model=self.d_model, bias=self.bias)
+        moe = self.moe
+        for name in ("d_model", "bias"):
+            if getattr(moe, name) != getattr(self, name):
+                raise ValueError(f"moe.{name}={getattr(moe, name)!r} differs from {name}="
+                                 f"{getattr(self, name)!r}; the MoE layers take the model's "
+                                 f"{name}: build moe with {name}={getattr(self, name)!r}")
+        for name in ("num_experts", "top_k", "d_ff"):
+            value = getattr(moe, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer"
+                                 + (" or None (None means 4 * d_model)" if name == "d_ff"
+                                    else ""))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 \
@@ -96,21 +104,17 @@ class GPTConfig:
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(f"head width d_model/n_heads={self.d_model // self.n_heads} must be "
                              "even for rotary embeddings; change d_model or n_heads")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k={self.top_k} is larger than num_experts="
-                             f"{self.num_experts}; use top_k <= num_experts")
         if not isinstance(self.moe_every, int) or self.moe_every < 0:
             raise ValueError(f"moe_every={self.moe_every!r} must be an integer >= 0 "
                              "(1: every layer, 2: every other layer, 0: dense model)")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r} is unknown; use one of "
+        if moe.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={moe.activation!r} is unknown; use one of "
                              f"{', '.join(ACTIVATIONS)}")
-        if self.glu and self.bias:
+        if moe.glu and self.bias:
             raise ValueError("glu=True with bias=True is not supported (GLU experts are "
                              "bias-free); set bias=False")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must lie in [0, 1)")
-        check_loss_and_capacity(self)
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
@@ -207,10 +211,11 @@ class DenseFFN(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.act = Activation(cfg.activation)
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.glu else None
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        ffn = cfg.moe
+        self.act = Activation(ffn.activation)
+        self.w1 = nn.Linear(cfg.d_model, ffn.d_ff, bias=ffn.bias)
+        self.w3 = nn.Linear(cfg.d_model, ffn.d_ff, bias=False) if ffn.glu else None
+        self.w2 = nn.Linear(ffn.d_ff, cfg.d_model, bias=ffn.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act.forward(self.w1(x))
@@ -226,11 +231,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if cfg.is_moe_layer(layer):
-            self.ffn = MoE(cfg.d_model, cfg.num_experts, cfg.top_k, d_ff=cfg.d_ff,
-                           activation=cfg.activation, glu=cfg.glu, bias=cfg.bias,
-                           router=cfg.router, capacity_factor=cfg.capacity_factor,
-                           aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
-                           expert_device=expert_device)
+            self.ffn = MoE(config=cfg.moe, expert_device=expert_device)
         else:
             self.ffn = DenseFFN(cfg)
         self.drop = nn.Dropout(cfg.dropout)

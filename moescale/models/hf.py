@@ -42,6 +42,7 @@ from moescale.layers.experts import GroupedExperts
 from moescale.layers.moe import MoE, MoEConfig
 from moescale.models.moefy import identify_activation
 from moescale.models.resident import dense_state_dict
+from moescale.routing.config import RouterConfig
 
 
 def is_hf_sparse_block(module: nn.Module) -> bool:
@@ -104,11 +105,11 @@ def block_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.01,
     num_experts, d_model = gate.weight.shape
     d_ff = experts.down_proj.shape[-1]
     activation = identify_activation(experts.act_fn)
-    cfg = MoEConfig(d_model=d_model, num_experts=num_experts, top_k=gate.top_k, d_ff=d_ff,
-                    glu=True, bias=False, router="topk",
-                    renormalize=bool(getattr(gate, "norm_topk_prob", True)),
+    cfg = MoEConfig(d_model=d_model, d_ff=d_ff, glu=True, bias=False,
                     activation=activation if isinstance(activation, str) else "silu",
-                    aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
+                    aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                    router=RouterConfig(kind="topk", num_experts=num_experts, top_k=gate.top_k,
+                                        renormalize=bool(getattr(gate, "norm_topk_prob", True))))
     kw = dict(device=gate.weight.device, dtype=experts.gate_up_proj.dtype)
     moe = MoE(config=cfg, activation=None if isinstance(activation, str) else activation, **kw)
     with torch.no_grad():

@@ -68,24 +68,27 @@ def _refuse(field: str, value, why: str, fix: str) -> None:
 
 
 def check_gpt(cfg: GPTConfig) -> None:
-    """ValueError naming the first GPTConfig field that Mixtral cannot express, and the fix."""
-    if not cfg.glu:
-        _refuse("glu", cfg.glu, "Mixtral's experts are gated: down(act(gate x) * up x)",
+    """ValueError naming the first GPTConfig flat key that Mixtral cannot express, and the fix."""
+    moe, rc = cfg.moe, cfg.moe.router
+    if not moe.glu:
+        _refuse("glu", moe.glu, "Mixtral's experts are gated: down(act(gate x) * up x)",
                 "train with --model.glu true --model.activation silu (SwiGLU)")
-    if cfg.activation not in HF_ACTIVATION:
-        _refuse("activation", cfg.activation, "no transformers hidden_act computes it",
+    if moe.activation not in HF_ACTIVATION:
+        _refuse("activation", moe.activation, "no transformers hidden_act computes it",
                 f"use one of {', '.join(HF_ACTIVATION)} (silu: SwiGLU)")
     if cfg.moe_every != 1:
         _refuse("moe_every", cfg.moe_every, "every Mixtral layer is sparse",
                 "train with --model.moe_every 1")
-    if cfg.router != "topk":
-        _refuse("router", cfg.router, "Mixtral routes by softmax -> top-k -> renormalise",
+    if rc.kind != "topk":
+        _refuse("router", rc.kind, "Mixtral routes by softmax -> top-k -> renormalise",
                 "train with --model.router topk")
-    if cfg.top_k < 2:
-        _refuse("top_k", cfg.top_k, "with one expert moescale's topk router weighs it by its "
+    if rc.top_k < 2:
+        _refuse("top_k", rc.top_k, "with one expert moescale's topk router weighs it by its "
                 "probability, Mixtral's renormalisation by 1", "use --model.top_k 2 or more")
-    if cfg.capacity_factor is not None:
-        _refuse("capacity_factor", cfg.capacity_factor, "Mixtral drops no token",
+    if not rc.renormalize_scores:
+        _refuse("renormalize", rc.renormalize, "Mixtral renormalises the top-k", "leave it None")
+    if moe.capacity_factor is not None:
+        _refuse("capacity_factor", moe.capacity_factor, "Mixtral drops no token",
                 "leave model.capacity_factor unset (dropless)")
     if cfg.bias or cfg.qkv_bias:
         _refuse("bias" if cfg.bias else "qkv_bias", True, "Mixtral's projections have no bias",
@@ -141,7 +144,7 @@ def gpt_to_mixtral(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = model.config
     check_gpt(cfg)
     state = consolidated_state_dict(model)
-    D, E, KV = cfg.d_model, cfg.num_experts, cfg.n_kv_heads * cfg.head_dim
+    D, E, KV = cfg.d_model, cfg.moe.num_experts, cfg.n_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": state["tok_emb.weight"],
            "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
@@ -160,15 +163,15 @@ def gpt_to_mixtral(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
                             _stacked(state, f"{ex}.w1_EDF", E), _stacked(state, f"{ex}.w3_EDF", E),
                             _stacked(state, f"{ex}.w2_EFD", E)))
     config = dict(
-        vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.d_ff,
+        vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.moe.d_ff,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
+        hidden_act=HF_ACTIVATION[cfg.moe.activation], max_position_embeddings=cfg.seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         tie_word_embeddings=cfg.tie_embeddings, sliding_window=None, attention_dropout=0.0,
-        num_local_experts=E, num_experts_per_tok=cfg.top_k,
-        router_aux_loss_coef=cfg.aux_loss_coef, router_jitter_noise=0.0,
+        num_local_experts=E, num_experts_per_tok=cfg.moe.top_k,
+        router_aux_loss_coef=cfg.moe.aux_loss_coef, router_jitter_noise=0.0,
         initializer_range=cfg.init_std, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     return config, out
 
@@ -333,7 +336,7 @@ def gpt_config_of_mixtral(config: dict) -> GPTConfig:
     if act not in OUR_ACTIVATION:
         raise ValueError(f"Mixtral config hidden_act={act!r} is not one moescale's kernels "
                          f"compute ({', '.join(OUR_ACTIVATION)})")
-    return GPTConfig(
+    return GPTConfig.from_flat(
         vocab_size=config["vocab_size"], seq_len=config["max_position_embeddings"],
         n_layers=config["num_hidden_layers"], d_model=D, n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads,
@@ -400,7 +403,7 @@ def mixtral_state(tensors: Mapping, cfg: GPTConfig, where: str, experts: bool = 
                   ) -> dict[str, torch.Tensor]:
     """The GPT state dict (moescale names) of a Mixtral checkpoint's tensors; without the
     stacked experts when `experts` is False (they are then read one by one: mixtral_expert)."""
-    D, E, F = cfg.d_model, cfg.num_experts, cfg.d_ff
+    D, E, F = cfg.d_model, cfg.moe.num_experts, cfg.moe.d_ff
     try:
         state = attention_state(tensors, cfg)
         for i in range(cfg.n_layers):

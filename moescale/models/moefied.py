@@ -41,11 +41,13 @@ WEIGHTS = "moefied.safetensors"
 FORMAT_VERSION = 1
 
 
+RECORDED = ("num_experts", "top_k", "router", "renormalize", "capacity_factor",
+            "aux_loss_coef", "z_loss_coef")     # MoEConfig flat keys a record keeps
+
+
 def _settings(moe: MoE) -> dict:
-    cfg = moe.config
-    return dict(num_experts=cfg.num_experts, top_k=cfg.top_k, router=cfg.router,
-                renormalize=cfg.renormalize, capacity_factor=cfg.capacity_factor,
-                aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
+    flat = moe.config.to_flat()
+    return {name: flat[name] for name in RECORDED}
 
 
 def _converted_block(model: nn.Module, moe_path: str) -> str:

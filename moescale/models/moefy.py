@@ -43,13 +43,14 @@ Legend: D model width, F hidden width, E experts.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moescale.config_tree import flat_names
 from moescale.layers.moe import MoE, MoEConfig
 
 FFN_KINDS = ("gpt2", "gated", "bert", "torch_encoder")
@@ -85,7 +86,7 @@ class MoefyConfig:
         if not self.upcycle_noise >= 0:
             raise ValueError(f"upcycle_noise={self.upcycle_noise!r} must be >= 0")
         probe = self.moe_config(8)  # validates router, top_k, capacity and loss settings
-        cfg = probe.router_config
+        cfg = probe.router
         if self.upcycle and not (cfg.kind == "noisy_topk" or cfg.renormalize_scores):
             raise ValueError(
                 f"upcycle=True needs router scores that sum to 1, but router={self.router!r} "
@@ -93,10 +94,11 @@ class MoefyConfig:
                 "renormalise them; pass renormalize=True (or upcycle=False)")
 
     def moe_config(self, d_model: int, d_ff: int | None = None, **kw) -> MoEConfig:
-        return MoEConfig(d_model=d_model, d_ff=d_ff, num_experts=self.num_experts,
-                         top_k=self.top_k, router=self.router, renormalize=self.renormalize,
-                         capacity_factor=self.capacity_factor,
-                         aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef, **kw)
+        """The MoEConfig of one converted FFN: this config's fields that are MoEConfig flat keys
+        (moescale.config_tree), at the FFN's width."""
+        names = flat_names(MoEConfig)
+        mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
+        return MoEConfig.from_flat(**mine, d_model=d_model, d_ff=d_ff, **kw)
 
 
 @dataclass

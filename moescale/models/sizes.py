@@ -1,4 +1,4 @@
-"""Named model sizes: `gpt_config(name, **overrides) -> GPTConfig`.
+"""Named model sizes: `gpt_config(name, **overrides) -> GPTConfig`, in flat keys (config_tree).
 
 - `tiny`:  the CPU default (byte-level vocabulary of 256): 4 layers, d_model 128, 4 heads,
            d_ff 512, 8 experts top-2, seq_len 128: 4.5M parameters (1.3M active per token).
@@ -27,6 +27,7 @@ from parameter counts either.
 
 from __future__ import annotations
 
+from moescale.config_tree import flat_names
 from moescale.models.gpt import GPTConfig
 
 SIZE_NAMES = ("tiny", "small", "moe-s", "moe-m", "moe-l")
@@ -53,11 +54,11 @@ def _size_fields(name: str) -> dict:
 
 
 def gpt_config(name: str, **overrides) -> GPTConfig:
-    """The named size with `overrides` applied (e.g. gpt_config("moe-s", num_experts=64))."""
+    """The named size with `overrides` applied (e.g. gpt_config("moe-s", num_experts=64)):
+    flat keys of the GPTConfig tree (GPTConfig.from_flat), so a size is flat keys too."""
     fields = _size_fields(name)
-    unknown = sorted(set(overrides) - set(GPTConfig.__dataclass_fields__))
+    unknown = sorted(set(overrides) - set(flat_names(GPTConfig)))
     if unknown:
         raise ValueError(f"unknown GPTConfig field(s) {unknown} in overrides for size {name!r}; "
-                         f"valid fields: {', '.join(GPTConfig.__dataclass_fields__)}")
-    fields.update(overrides)
-    return GPTConfig(**fields)
+                         f"valid fields: {', '.join(flat_names(GPTConfig))}")
+    return GPTConfig.from_flat(**{**fields, **overrides})

@@ -82,7 +82,7 @@ def dense_state(tensors: Mapping, cfg: GPTConfig, where: str, experts: bool = Tr
             expert = dense_expert(tensors, i)
             if experts:
                 state.update({f"blocks.{i}.ffn.experts.{name}":
-                              t.unsqueeze(0).expand(cfg.num_experts, *t.shape).contiguous()
+                              t.unsqueeze(0).expand(cfg.moe.num_experts, *t.shape).contiguous()
                               for name, t in expert.items()})
     except KeyError as err:
         raise ValueError(f"{where!r} lacks tensor {err.args[0]!r}; the checkpoint does not "

@@ -156,7 +156,7 @@ def expert_parallel_moe(groups: ParallelGroups, d_model: int, num_experts: int,
     act = options.pop("activation", None)
     if isinstance(act, str):
         options["activation"] = act
-    cfg = MoEConfig(d_model=d_model, num_experts=num_experts, top_k=top_k, **options)
+    cfg = MoEConfig.from_flat(d_model=d_model, num_experts=num_experts, top_k=top_k, **options)
     ids = expert_parallel_split(num_experts, groups.ep_size, groups.ep_rank)
     local = GroupedExperts(len(ids), cfg.d_model, cfg.d_ff,
                            activation=act if act is not None else cfg.activation,

@@ -26,7 +26,12 @@ class RouterConfig:
     jitter_eps:    switch only: input multiplied by U(1 - eps, 1 + eps) while training.
     noise_std_min: noisy_topk only: floor added to softplus(noise logits) while training.
     random_routing: gshard only: drop the second expert with probability 1 - min(1, 2 * g2).
+
+    An MoEConfig holds one (moescale.layers.moe); under flat keys (`MoE(router="switch")`,
+    `--model.router`, config.json) `kind` is called `router` (FLAT_NAMES, moescale.config_tree).
     """
+
+    FLAT_NAMES = {"kind": "router"}    # field -> flat key; not a field (no annotation)
 
     kind: str = "topk"
     num_experts: int = 8

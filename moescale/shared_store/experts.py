@@ -22,7 +22,7 @@ can compute any expert and placement may change every iteration without moving w
   engine's HostOptimizer and torch.optim.AdamW on a stacked parameter do.
 
 Deliberately not done here (see docs/dynamic_placement.md): device copies through the offload
-DeviceCache (dynamic_offload.py streams the store's experts through each rank's device; here
+DeviceCache (streamed.py streams the store's experts through each rank's device; here
 weights are read in place from host memory, which is what a CPU rank computes on), the eager
 per-expert step overlapped with backward and per-expert cross-process fences (the barrier is a
 coarse fence; the disk tier's fence is node_disk.py's, passed to `step_shared_experts`).

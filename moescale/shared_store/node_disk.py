@@ -20,7 +20,7 @@ without backward, `fence_if_changed`, when a checkpoint was loaded or saved sinc
      rewritten to their next generation by rank e % W, then steps 1-3 again. So no write inside
      a pass ever moves a file that another rank might be reading.
 
-Not here: the experts computed on the store (dynamic_offload.py), the step (dynamic_experts.py),
+Not here: the experts computed on the store (experts.py, streamed.py), the step (step.py),
 several nodes (each node would hold its own directory; the inter-node gradient average reads
 host accumulators and is not done for this tier).
 """

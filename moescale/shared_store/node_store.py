@@ -28,7 +28,7 @@ Across nodes every node (group) makes its own store; `node` (the node's index) g
 name, so the stores of virtual nodes on one machine are told apart.
 
 Not here: the store's semantics (offload/store.py), the experts computed on it
-(dynamic_experts.py).
+(experts.py, streamed.py).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class SharedStoreStep:
 
 class StreamedStoreStep(SharedStoreStep):
     """The ExpertStep of a node's store streamed through each rank's device
-    (dynamic_offload.py). Host tier: the shared store's step as above. Disk tier (`coherence`
+    (streamed.py). Host tier: the shared store's step as above. Disk tier (`coherence`
     given): every micro-batch starts with a fence (the previous pass's gradients in the files,
     one view of them on every rank); clipping fences, then counts this rank's share of the
     accumulators (read from the files) and scales them at the step; the step ends with a

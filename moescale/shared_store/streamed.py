@@ -2,8 +2,8 @@
 
 The node's ranks share one ExpertStore: the host tier in /dev/shm (`node_expert_store`) or the
 disk tier in a directory of the node (`node_disk_store`, node_disk.py). Each iteration LPT
-assigns experts (and shards of hot ones) to the ranks as before (dynamic.py); a rank uploads
-only the experts it was assigned, one after another, through its own byte-budgeted device
+assigns experts (and shards of hot ones) to the ranks as before (parallel/dynamic.py); a rank
+uploads only the experts it was assigned, one after another, through its own byte-budgeted device
 (`make_device`) and `DeviceCache` (upload of expert i+1 overlapped with expert i's compute),
 computes with the compute copy and drops it.
 

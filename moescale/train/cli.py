@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         from moescale.train.config import ModelSection
 
         print(USAGE)
-        print(help_text(vars(gpt_config(ModelSection().size))))
+        print(help_text(gpt_config(ModelSection().size).to_flat()))
         return 0
     base = None
     if resume is not None:

@@ -66,10 +66,13 @@ HF_TUNABLE = ("num_experts", "top_k", "aux_loss_coef", "z_loss_coef", "dropout")
 
 @dataclass(kw_only=True)
 class ModelSection:
-    """The MoE GPT: a named size with overrides of its fields, or an HF MoE directory (hf).
+    """The MoE GPT: a named size plus overrides, or an HF MoE directory (hf).
 
-    Fields left None take the size's value; with `hf` the shape is the directory's config.json
-    (train/model.py) and only HF_TUNABLE fields may be given."""
+    The override fields are flat keys of the GPTConfig tree (moescale.config_tree: num_experts
+    and top_k land in the router's config, d_ff in the MoE layer's); the run passes the ones
+    given to gpt_config(size, **overrides), the one construction path. Fields left None take
+    the size's value; with `hf` the shape is the directory's config.json (train/model.py) and
+    only HF_TUNABLE fields may be given."""
 
     size: str = "tiny"          # a named shape (moescale.models.sizes); the fields below change it
     n_layers: int | None = None     # transformer blocks
@@ -131,7 +134,7 @@ class ModelSection:
 
     @classmethod
     def shape_fields(cls) -> tuple[str, ...]:
-        """The model options that are GPTConfig fields of the same names (size and hf, which
+        """The model options that are GPTConfig flat keys of the same names (size and hf, which
         pick where the shape comes from, excluded)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("size", "hf"))
 

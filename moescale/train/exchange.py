@@ -154,7 +154,7 @@ class StaticExchange:
 
     def __init__(self, config: RunConfig, ranks) -> None:
         pc = config.parallel
-        experts = model_config(config, 2).num_experts
+        experts = model_config(config, 2).moe.num_experts
         if experts % pc.ep_size:
             raise ValueError(f"parallel.ep_size={pc.ep_size} does not divide model.num_experts="
                              f"{experts}; choose num_experts as a multiple of ep_size")

@@ -74,9 +74,9 @@ def training_bytes(config: RunConfig, vocab_size: int, cap: float = math.inf
     from moescale.train.model import model_config
 
     cfg = model_config(config, vocab_size)
-    d, d_ff = cfg.d_model, cfg.d_ff or 4 * cfg.d_model
+    d, d_ff = cfg.d_model, cfg.moe.d_ff
     moe_layers = 0 if not cfg.moe_every else cfg.n_layers // cfg.moe_every
-    least_expert = moe_layers * cfg.num_experts * 2 * d * d_ff
+    least_expert = moe_layers * cfg.moe.num_experts * 2 * d * d_ff
     least = cfg.n_layers * 2 * d * d + cfg.vocab_size * d     # q and o projections at least
     held = least + (0 if config.offload.tier == "disk" else
                     least_expert // max(1, config.parallel.ep_size))
@@ -89,7 +89,7 @@ def training_bytes(config: RunConfig, vocab_size: int, cap: float = math.inf
         expert = 0                    # on disk, behind a bounded host cache
     state = STATE_BYTES * (count.total - count.expert + expert)
     B, S = config.train.batch_size, config.train.seq_len
-    per_token = cfg.n_layers * (8 * cfg.d_model + cfg.n_heads * S + 2 * cfg.top_k * cfg.d_ff) \
+    per_token = cfg.n_layers * (8 * cfg.d_model + cfg.n_heads * S + 2 * cfg.moe.top_k * d_ff) \
         + 2 * cfg.vocab_size
     return count.total, state, ACT_BYTES * B * S * per_token
 

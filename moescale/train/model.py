@@ -36,7 +36,6 @@ directory without one is said on stderr), as it adopts nanoGPT's meta.pkl charac
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -112,13 +111,14 @@ def model_config(config: RunConfig, vocab_size: int, run_dir: str | Path | None 
         if hf["model_type"] in DENSE_FAMILIES:     # upcycled: the MoE shape is ours to pick
             given = {**UPCYCLE_DEFAULTS, **mc.overrides()}
             cfg = gpt_config_of_dense(hf, given["num_experts"], given["top_k"])
-            cfg = dataclasses.replace(cfg, **mc.overrides())
+            cfg = GPTConfig.from_flat(**{**cfg.to_flat(), **mc.overrides()})
         else:
             cfg = gpt_config_of_mixtral(hf)
-            if mc.num_experts not in (None, cfg.num_experts):
+            if mc.num_experts not in (None, cfg.moe.num_experts):
                 raise ValueError(f"num_experts={mc.num_experts}, but the checkpoint has "
-                                 f"{cfg.num_experts} experts per layer; drop --model.num_experts")
-            cfg = dataclasses.replace(cfg, **mc.overrides())     # HF_TUNABLE only (config.py)
+                                 f"{cfg.moe.num_experts} experts per layer; drop "
+                                 "--model.num_experts")
+            cfg = GPTConfig.from_flat(**{**cfg.to_flat(), **mc.overrides()})  # HF_TUNABLE only
             check_gpt(cfg)
     except ValueError as err:
         raise ValueError(f"model.hf={mc.hf!r}: {err}") from None
@@ -173,15 +173,15 @@ def load_hf_weights(model: GPT, config: RunConfig) -> str:
 
         def expert_init(layer: int, e: int, layout):
             values = dense_expert(tensors, layer) if dense else \
-                mixtral_expert(tensors, layer, e, cfg.d_ff)
+                mixtral_expert(tensors, layer, e, cfg.moe.d_ff)
             return _flat(values, layout)
 
         model.expert_init = expert_init      # offload_moe's initial values: the checkpoint's
     if missing or unexpected:     # pragma: no cover - mixtral_state names a missing tensor
         raise ValueError(f"model.hf={hf!r} does not fill the model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    how = f"upcycled: every expert a copy of the dense MLP, {cfg.num_experts} experts top-" \
-        f"{cfg.top_k}" if dense else "weights loaded"
+    how = f"upcycled: every expert a copy of the dense MLP, {cfg.moe.num_experts} experts " \
+        f"top-{cfg.moe.top_k}" if dense else "weights loaded"
     return f"model.hf {hf}: {how} ({len(weight_files(hf))} safetensors file(s))"
 
 

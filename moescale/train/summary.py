@@ -154,7 +154,7 @@ def print_summary(trainer, s: dict) -> None:
         f"data:         {trainer.data.description}",
         f"model:        {cfg.model.hf or cfg.model.size}, {trainer.params.total:,} parameters "
         f"({trainer.params.active:,} active per token), {len(trainer.moe_layers)} MoE layers x "
-        f"{model.num_experts} experts top-{model.top_k}",
+        f"{model.moe.num_experts} experts top-{model.moe.top_k}",
         f"steps:        {s['step']}/{s['steps']}",
         f"train loss:   {fmt(s['train_loss'], '.4f')} "
         f"(mean of the last {s.get('train_loss_steps', 20)} steps)",

@@ -195,10 +195,10 @@ class Trainer:
         automatically (the checkpoints record the choice for --resume); the config object is
         left as given. A file-based tokenizer is copied into RUN_DIR/tokenizer/."""
         tree = to_dict(self.config)
-        mc = self.model.config
+        flat = self.model.config.to_flat()
         if self.config.model.hf is None:     # else: the shape is model.hf's (a copy here)
-            tree["model"].update({name: getattr(mc, name) for name in
-                                  ModelSection.shape_fields() if getattr(mc, name) is not None})
+            tree["model"].update({name: flat[name] for name in
+                                  ModelSection.shape_fields() if flat[name] is not None})
         else:
             run_model.write_config_copy(self.run_dir, self.config)
         tree["train"]["run_dir"] = ""     # --config this file: a new run in a new directory

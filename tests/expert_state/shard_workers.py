@@ -38,8 +38,8 @@ ROW_OF = {"master": 0, "exp_avg": 2, "exp_avg_sq": 3}   # the store's logical ro
 
 def make_model(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layers=2, d_model=16, n_heads=2,
-                         d_ff=32, num_experts=4, top_k=2, init_std=0.1))
+    return GPT(GPTConfig.from_flat(vocab_size=VOCAB, seq_len=SEQ, n_layers=2, d_model=16,
+                                   n_heads=2, d_ff=32, num_experts=4, top_k=2, init_std=0.1))
 
 
 def build(rank: int, world: int, tier: str | None, store_dir: str, seed: int = 0):

@@ -146,8 +146,8 @@ def test_foreign_or_incomplete_manifests_are_refused(tmp_path):
     model, opt, _ = _trained(None, tmp_path)
     entry = save_expert_shards(model, str(tmp_path), rank=0, tag="t", optimizer=opt)
     torch.manual_seed(0)
-    other = GPT(GPTConfig(vocab_size=48, seq_len=8, n_layers=2, d_model=16, n_heads=2,
-                          d_ff=24, num_experts=4, top_k=2))
+    other = GPT(GPTConfig.from_flat(vocab_size=48, seq_len=8, n_layers=2, d_model=16, n_heads=2,
+                                    d_ff=24, num_experts=4, top_k=2))
     with pytest.raises(ShardCheckpointError, match="build the same model"):
         load_expert_shards(other, str(tmp_path), [entry])
     partial = dict(entry, experts={k: [[0, 2]] for k in entry["experts"]})

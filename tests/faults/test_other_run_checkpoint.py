@@ -25,8 +25,8 @@ from moescale.offload.checkpoint import LATEST, OtherRunError
 
 def _engine(seed: int, tier: str, directory):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layers=2, d_model=16, n_heads=2, d_ff=32,
-                          num_experts=4, top_k=2, init_std=0.1))
+    model = GPT(GPTConfig.from_flat(vocab_size=64, seq_len=8, n_layers=2, d_model=16, n_heads=2,
+                                    d_ff=32, num_experts=4, top_k=2, init_std=0.1))
     if tier == "disk":
         directory.mkdir()
     config = OffloadConfig(tier=tier, device_budget_experts=2, directory=str(directory)

@@ -90,8 +90,8 @@ def test_api_misuse_raises_value_errors_naming_the_values():
     moe = moescale.MoE(d_model=8, experts=[nn.Linear(8, 4), nn.Linear(8, 4)], top_k=1)
     with pytest.raises(ValueError, match=r"expert \d \(Linear\) maps .* d_model=8"):
         moe(torch.randn(3, 8))
-    gpt = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layers=1, d_model=16, n_heads=2,
-                        num_experts=2, top_k=1))
+    gpt = GPT(GPTConfig.from_flat(vocab_size=16, seq_len=8, n_layers=1, d_model=16, n_heads=2,
+                                  num_experts=2, top_k=1))
     with pytest.raises(ValueError, match=r"\[1, 20\] but the vocabulary is \[0, 16\)"):
         gpt(torch.tensor([[1, 20]]))
     with pytest.raises(ValueError, match="capacity_factor=inf must be a finite number"):

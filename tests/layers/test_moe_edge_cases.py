@@ -282,8 +282,8 @@ def test_layer_can_be_copied_or_pickled_after_a_call(how):
 
 
 def test_config_object_and_keyword_arguments_build_the_same_layer():
-    config = MoEConfig(d_model=D_MODEL, num_experts=4, top_k=2, d_ff=D_FF, router="gshard",
-                       capacity_factor=1.5, glu=True)
+    config = MoEConfig.from_flat(d_model=D_MODEL, num_experts=4, top_k=2, d_ff=D_FF,
+                                 router="gshard", capacity_factor=1.5, glu=True)
     torch.manual_seed(0)
     from_config = MoE(config=config)
     from_kwargs = build(router="gshard", capacity_factor=1.5, glu=True)

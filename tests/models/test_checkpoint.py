@@ -18,7 +18,7 @@ from moescale.models.checkpoint import (expert_keys, load_checkpoint, merge_expe
 def micro(**kw):
     fields = dict(vocab_size=32, seq_len=8, n_layers=2, d_model=16, n_heads=2, d_ff=24,
                   num_experts=4, top_k=2)
-    return GPTConfig(**{**fields, **kw})
+    return GPTConfig.from_flat(**{**fields, **kw})
 
 
 def header(path):

@@ -28,7 +28,7 @@ def gpt(**kw) -> GPT:
     fields = dict(vocab_size=64, seq_len=32, n_layers=2, d_model=32, n_heads=4, d_ff=48,
                   num_experts=4, top_k=2, glu=True, activation="silu", rope_theta=500.0,
                   norm_eps=1e-6)
-    model = GPT(GPTConfig(**dict(fields, **kw))).eval()
+    model = GPT(GPTConfig.from_flat(**dict(fields, **kw))).eval()
     with torch.no_grad():     # clear-cut routing: every expert takes tokens
         for block in model.blocks:
             if isinstance(block.ffn, MoE):

@@ -12,7 +12,7 @@ def micro(**kw):
     fields = dict(vocab_size=32, seq_len=16, n_layers=2, d_model=16, n_heads=2, d_ff=32,
                   num_experts=4, top_k=2)
     fields.update(kw)
-    return GPTConfig(**fields)
+    return GPTConfig.from_flat(**fields)
 
 
 # ES-MoE table (total parameters); we accept 3 %.
@@ -28,13 +28,13 @@ def test_es_moe_parameter_counts_match_paper(name, experts, paper):
 @pytest.mark.parametrize("name,experts,paper", PAPER)
 def test_meta_count_matches_arithmetic(name, experts, paper):
     cfg = gpt_config(name, num_experts=experts)
-    D, F, L, E, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.num_experts, cfg.vocab_size
+    D, F, L, E, V = cfg.d_model, cfg.moe.d_ff, cfg.n_layers, cfg.moe.num_experts, cfg.vocab_size
     per_layer = 4 * D * D + E * 2 * D * F + E * D + 2 * D   # attn + experts + router + norms
     expected = L * per_layer + V * D + D                     # + tied embedding + final norm
     count = count_parameters(cfg)
     assert count.total == expected
     assert count.expert == L * E * 2 * D * F
-    assert count.active == expected - L * (E - cfg.top_k) * 2 * D * F
+    assert count.active == expected - L * (E - cfg.moe.top_k) * 2 * D * F
 
 
 def test_forward_shapes_loss_and_backward():

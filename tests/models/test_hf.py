@@ -72,7 +72,7 @@ def test_import_matches_logits_and_gradients(name):
     ours.zero_grad(set_to_none=True)
     moes = [m for m in ours.modules() if isinstance(m, MoE)]
     assert len(moes) == 2
-    assert moes[0].config.router_config.renormalize_scores == \
+    assert moes[0].config.router.renormalize_scores == \
         (name in ("mixtral", "qwen3_moe"))
     out = ours(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)

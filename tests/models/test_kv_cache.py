@@ -25,7 +25,7 @@ def gpt(**kw) -> GPT:
     torch.manual_seed(0)
     fields = dict(vocab_size=64, seq_len=32, n_layers=3, d_model=32, n_heads=4, d_ff=48,
                   num_experts=4, top_k=2)
-    model = GPT(GPTConfig(**dict(fields, **kw))).eval()
+    model = GPT(GPTConfig.from_flat(**dict(fields, **kw))).eval()
     with torch.no_grad():     # clear-cut routing: every expert takes tokens
         for m in model.modules():
             if isinstance(m, MoE):

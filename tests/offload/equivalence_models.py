@@ -40,8 +40,9 @@ def make_model(seed=0, glu=False) -> nn.Module:
         from moescale.models.gpt import GPT, GPTConfig
     except ImportError:
         return TinyMoEModel(glu=glu)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layers=2, d_model=16, n_heads=2,
-                         d_ff=32, num_experts=4, top_k=2, glu=glu, init_std=0.1))
+    return GPT(GPTConfig.from_flat(vocab_size=VOCAB, seq_len=SEQ, n_layers=2, d_model=16,
+                                   n_heads=2, d_ff=32, num_experts=4, top_k=2, glu=glu,
+                                   init_std=0.1))
 
 
 def batches(step: int, accum: int):

@@ -117,7 +117,7 @@ def test_the_disk_tier_reads_only_routed_experts_missing_from_the_host_cache(dis
 def test_memory_bounds_are_checked(disk_run, capsys):
     run_dir, _ = disk_run
     with torch.device("meta"):
-        model = moescale.models.GPT(moescale.models.GPTConfig(
+        model = moescale.models.GPT(moescale.models.GPTConfig.from_flat(
             vocab_size=256, seq_len=32, n_layers=2, d_model=32, n_heads=2, d_ff=64,
             num_experts=4, glu=True))
     plan = memory_plan(model, 1 << 20, batch=1)

@@ -177,7 +177,7 @@ def test_what_model_hf_cannot_train_is_refused_naming_the_option(corpus, tmp_pat
         given = dict({"model.hf": str(src), "train.seq_len": "32"}, **extra)
         return model_config(load_config(None, given), vocab)
 
-    assert resolve(**{"model.top_k": "3", "model.aux_loss_coef": "0.02"}).top_k == 3
+    assert resolve(**{"model.top_k": "3", "model.aux_loss_coef": "0.02"}).moe.top_k == 3
     with pytest.raises(ValueError, match=r"model.d_model=64 .*drop --model.d_model"):
         resolve(**{"model.d_model": "64"})
     with pytest.raises(ValueError, match=r"model.size='small' .*drop --model.size"):

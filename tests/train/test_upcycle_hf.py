@@ -53,7 +53,7 @@ def test_the_upcycled_model_computes_the_dense_models_logits(family, corpus, tmp
                                 "train.seq_len": "32"})
     model = build_model(config, 256)
     assert "upcycled" in load_hf_weights(model, config)
-    assert model.config.num_experts == 4 and model.config.qkv_bias == (family == "qwen2")
+    assert model.config.moe.num_experts == 4 and model.config.qkv_bias == (family == "qwen2")
     with torch.no_grad():
         want = dense(IDX).logits
         got = model.eval()(IDX)[0]

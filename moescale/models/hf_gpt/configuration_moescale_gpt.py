@@ -1,10 +1,11 @@
 """transformers configuration of moescale's GPT MoE language model (remote code, standalone).
 
-The fields are moescale's `GPTConfig` fields under their own names (vocab_size, seq_len,
-n_layers, d_model, n_heads, n_kv_heads, d_ff, num_experts, router, capacity_factor, glu,
-activation, moe_every, tie_embeddings, bias, rope_theta, norm_eps, init_std, ...), except
-top_k, which is `num_experts_per_tok` (transformers reads a config's `top_k` as a sampling
-setting);
+The fields are moescale's `GPTConfig` flat keys (`GPTConfig.to_flat()`: vocab_size, seq_len,
+n_layers, d_model, n_heads, n_kv_heads, d_ff, num_experts, router, renormalize,
+capacity_factor, glu, activation, moe_every, tie_embeddings, bias, rope_theta, norm_eps,
+init_std, ...), except top_k, which is `num_experts_per_tok` (transformers reads a config's
+`top_k` as a sampling setting); the router's training-only keys (jitter_eps, noise_std_min,
+random_routing) are kept as plain attributes;
 `attribute_map` gives transformers' usual names (hidden_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads, max_position_embeddings, intermediate_size) so
 generation utilities and caches find them. This file imports only transformers.
