@@ -7,6 +7,9 @@ used to differentiate only `parameters()`: such experts trained with no gradient
 A container that names its tensors (GRAD_TENSORS) gets every expert gradient of the reference,
 under strategies none, S2 and S4; one that does not is refused in one line naming GRAD_TENSORS,
 in forward (strategy none keeps the chunk's graph) or in backward (S2 re-runs the chunk).
+Slow (2-rank runs of several seconds); the fast lane checks the runner itself on CPU
+(tests/dispatch/test_protocol.py), and the trainer's pipelined cells of
+tests/train/test_dict_residency.py train such experts to the reference's losses.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from moescale.parallel.launch import run_local
 
 from plain_tensor_workers import check_plain_tensor_experts
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]   # the fast lane: tests/dispatch
 TOKENS = [9, 4]
 
 
@@ -36,7 +39,6 @@ def test_plain_tensor_experts_get_the_reference_gradients_under_pipelined_ep():
         assert r.value == [(c["name"], None) for c in cases], r.value
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy", ["none", "S2"])
 def test_plain_tensors_not_named_are_refused_in_one_line(strategy):
