@@ -9,6 +9,8 @@ shard's local experts for DictExperts holding the same values, and checks its ou
 and router gradients and every held expert tensor's gradient against the reference.
 `declared=False` takes GRAD_TENSORS away from the container: the exchange must refuse it
 (ValueError; its message is returned) instead of training it without expert gradients.
+`UnnamedDictResidency` does the same to a training run (tests/train/test_unnamed_plain_tensors.py
+hands it to the trainer by this file's path).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "train")]   # also when imported by path
 
-from dict_residency import DictExperts  # noqa: E402
+from dict_residency import DictExperts, DictResidency  # noqa: E402
 from ep_workers import _close, _full_moe, _inputs, _reference, check_layer  # noqa: E402
 
 from moescale.dispatch.protocol import GRAD_TENSORS  # noqa: E402
@@ -62,3 +65,13 @@ def check_plain_tensor_experts(rank: int, world: int, cases: list[dict]) -> list
                 _close(f"expert {ids.start + l} grad {name}", t.grad, want, case)
         done.append((case["name"], None))
     return done
+
+
+class UnnamedDictResidency(DictResidency):
+    """DictResidency whose DictExperts do not declare GRAD_TENSORS (their tensors unnamed)."""
+
+    def prepare(self, model, exchange):
+        step = super().prepare(model, exchange)
+        for experts in self.layers:
+            experts.capabilities = experts.capabilities - {GRAD_TENSORS}
+        return step
