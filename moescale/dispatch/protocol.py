@@ -32,9 +32,17 @@ choose a fast path by capability, never by probing attributes:
                    experts' weights and optimizer state, read and written one expert at a
                    time (moescale.layers.state_access); checkpoints, export and resharding
                    reach expert state only through it
+  GRAD_TENSORS     grad_tensors() -> every tensor requiring grad that forward_rows reads
+                   (parameters included): what a pipelined exchange differentiates when the
+                   weights are not (all) `parameters()`, e.g. plain tensors with requires_grad
 
 Containers without CHUNKED are pipelined by `AutogradChunkRunner`: the chunk's rows through
 `forward_rows` under autograd, kept or re-run in backward (activation checkpointing per chunk).
+Its gradients leave only through the pipeline Function's inputs, so it differentiates the
+tensors the container names (`grad_tensors()` under GRAD_TENSORS, else `parameters()`) and
+refuses, in one line naming GRAD_TENSORS, a chunk whose autograd graph reaches a tensor
+requiring grad that is not named (it would silently get no gradient). STREAMED containers are
+not checked: their weight gradients leave through their store by declaration.
 
 It lives in moescale.dispatch, the seam's room, beside the index math every exchange shares;
 the exchanges that communicate are in moescale.parallel, the residencies in
@@ -50,6 +58,7 @@ import contextlib
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
+from torch import nn
 
 ROUTED = "routed"
 GROUPED_WEIGHTS = "grouped_weights"
@@ -59,8 +68,9 @@ STREAMED = "streamed"
 PLACED = "placed"
 SHARD = "shard"
 STATE_ACCESS = "state_access"
+GRAD_TENSORS = "grad_tensors"
 CAPABILITIES = frozenset({ROUTED, GROUPED_WEIGHTS, FFN_SHAPE, CHUNKED, STREAMED, PLACED, SHARD,
-                          STATE_ACCESS})
+                          STATE_ACCESS, GRAD_TENSORS})
 
 
 @runtime_checkable
@@ -125,12 +135,42 @@ def _autocast(state):
     return torch.autocast(device_type, dtype=dtype)
 
 
+def unnamed_grad_tensors(y: torch.Tensor, named: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that y's autograd graph reaches other than through
+    `named` (y's gradient stops at a named tensor, leaf or not)."""
+    if y.grad_fn is None:
+        return []
+    stops = set()
+    for t in named:
+        edge = torch.autograd.graph.get_gradient_edge(t)
+        stops.add((edge.node, edge.output_nr))
+    found: dict[int, torch.Tensor] = {}
+    todo, seen = [y.grad_fn], {y.grad_fn}
+    while todo:
+        for node, nr in todo.pop().next_functions:
+            if node is None or (node, nr) in stops or node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "AccumulateGrad":
+                found[id(node.variable)] = node.variable
+            else:
+                todo.append(node)
+    return list(found.values())
+
+
 class AutogradChunkRunner:
     """Any container's forward_rows, chunk by chunk, as activation checkpointing per chunk:
     forward keeps the chunk's autograd graph (keep=True) or nothing (keep=False: backward
     re-runs the chunk from its input, under the forward's autocast state; modules with
-    randomness draw new numbers in the re-run). Parameter gradients are accumulated over the
-    chunks and scaled by grad_scale once; the score gradient is <g, y>."""
+    randomness draw new numbers in the re-run). It differentiates the container's
+    `grad_tensors()` (GRAD_TENSORS) or else its `parameters()` that require grad; their
+    gradients are accumulated over the chunks and scaled by grad_scale once; the score gradient
+    is <g, y>.
+
+    Every chunk's graph is checked once (in forward when kept, or when nothing the exchange's
+    backward follows needs a gradient; else in backward): a tensor requiring grad that it
+    reaches beyond those is refused with a ValueError naming GRAD_TENSORS (it would get no
+    gradient). STREAMED containers are not checked (gradients leave through their store)."""
 
     def __init__(self, experts, chunk_counts: Sequence[Sequence[int]], grad_scale: float,
                  x_like: torch.Tensor) -> None:
@@ -138,9 +178,41 @@ class AutogradChunkRunner:
         self.counts = [tuple(c) for c in chunk_counts]
         dev = x_like.device.type
         self.state = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        self.params = tuple(p for p in experts.parameters() if p.requires_grad)
+        caps = capabilities_of(experts)
+        if GRAD_TENSORS in caps:
+            named = experts.grad_tensors()
+        elif isinstance(experts, nn.Module):
+            named = experts.parameters()
+        else:
+            raise ValueError(f"{type(experts).__name__} is not an nn.Module, so it has no "
+                             "parameters() to differentiate under a pipelined exchange; "
+                             "declare GRAD_TENSORS with grad_tensors() (or CHUNKED)")
+        self.params = tuple({id(t): t for t in named if t.requires_grad}.values())
+        self.caps, self.check = caps, STREAMED not in caps
+        # no input needs a gradient: the exchange has no backward, chunks are checked in forward
+        self.check_forward = torch.is_grad_enabled() and not x_like.requires_grad \
+            and not self.params
+        self.checked: set[int] = set()
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grads: list[torch.Tensor | None] = []
+
+    def _check(self, k: int, x_leaf_ND: torch.Tensor, y_ND: torch.Tensor) -> None:
+        """ValueError when chunk k's graph reaches a tensor requiring grad not differentiated."""
+        if not self.check or k in self.checked:
+            return
+        self.checked.add(k)
+        unnamed = unnamed_grad_tensors(y_ND, (x_leaf_ND, *self.params))
+        if unnamed:
+            which = "grad_tensors() does not return" if GRAD_TENSORS in self.caps else \
+                "are not its parameters()"
+            first = unnamed[0]
+            raise ValueError(
+                f"{type(self.experts).__name__}.forward_rows reads {len(unnamed)} tensor(s) "
+                f"requiring grad that {which} (the first: {first.dtype} "
+                f"{tuple(first.shape)}): under a pipelined expert-parallel exchange they would "
+                "get no gradient; declare GRAD_TENSORS with grad_tensors() returning every "
+                "tensor requiring grad that forward_rows reads (or CHUNKED with a chunk_runner "
+                "of its own)")
 
     def autograd_inputs(self) -> tuple[torch.Tensor, ...]:
         return self.params
@@ -151,9 +223,11 @@ class AutogradChunkRunner:
             return x_leaf_ND, self.experts.forward_rows(x_leaf_ND, self.counts[k])
 
     def forward(self, k: int, x_ND: torch.Tensor, keep: bool) -> torch.Tensor:
-        if keep:
+        if keep or self.check_forward:
             x_leaf_ND, y_ND = self._run(k, x_ND)
-            self.kept[k] = (x_leaf_ND, y_ND)
+            self._check(k, x_leaf_ND, y_ND)
+            if keep:
+                self.kept[k] = (x_leaf_ND, y_ND)
             return y_ND.detach()
         with torch.no_grad(), _autocast(self.state):
             return self.experts.forward_rows(x_ND, self.counts[k])
@@ -163,6 +237,7 @@ class AutogradChunkRunner:
             x_leaf_ND, y_ND = self.kept.pop(k)
         else:
             x_leaf_ND, y_ND = self._run(k, x_ND)
+            self._check(k, x_leaf_ND, y_ND)
         if not self.grads:
             self.grads = [None] * len(self.params)
         ds_N = (g_ND.float() * y_ND.detach().float()).sum(1).to(s_N.dtype) if need_ds else None

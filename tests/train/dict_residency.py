@@ -9,10 +9,10 @@ What a new residency needs and nothing more, handed to the trainer from outside 
   b2_ED, one expert's slice each), not parameters of the model (the dense AdamW never sees
   them). `forward_rows` runs the held experts one after another on their rows by plain ops;
   STATE_ACCESS reads and writes them and their AdamW moments (`DictState`), so expert shards,
-  resharding and export go through the library's own code; CHUNKED hands the pipelined
-  exchange a runner that differentiates these tensors (the library's AutogradChunkRunner
-  differentiates `parameters()`, which a dict of plain tensors has none of); FFN_SHAPE lets the
-  pipelined exchange's `reuse auto` model it.
+  resharding and export go through the library's own code; GRAD_TENSORS names these tensors
+  (`grad_tensors()`), which the pipelined exchange's AutogradChunkRunner differentiates
+  instead of `parameters()` (a dict of plain tensors has none); FFN_SHAPE lets the pipelined
+  exchange's `reuse auto` model it.
 - `DictStep`, the expert-step handle (moescale.expert_step.ExpertStep): after backward it sums
   the partial gradients of experts that every rank of the expert-parallel group holds (dynamic
   placement: each rank computed only the rows placed on it), averages over data-parallel
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moescale.dispatch.protocol import (CHUNKED, FFN_SHAPE, GROUPED_WEIGHTS, SHARD, STATE_ACCESS,
-                                        AutogradChunkRunner, capabilities_of)
+from moescale.dispatch.protocol import (FFN_SHAPE, GRAD_TENSORS, GROUPED_WEIGHTS, SHARD,
+                                        STATE_ACCESS, capabilities_of)
 from moescale.layers.moe import MoE
 
 Tensors = dict[str, torch.Tensor]
@@ -47,7 +47,7 @@ Tensors = dict[str, torch.Tensor]
 class DictExperts(nn.Module):
     """Held experts as dicts of plain leaf tensors (see the module docstring)."""
 
-    capabilities = frozenset({FFN_SHAPE, CHUNKED, STATE_ACCESS})
+    capabilities = frozenset({FFN_SHAPE, GRAD_TENSORS, STATE_ACCESS})
 
     def __init__(self, num_experts: int, act, weights: list[Tensors]) -> None:
         super().__init__()
@@ -65,6 +65,9 @@ class DictExperts(nn.Module):
 
     def leaves(self) -> list[torch.Tensor]:
         return [t for w in self.weights for t in w.values()]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.leaves()
 
     def _ffn(self, l: int, x_ND: torch.Tensor) -> torch.Tensor:
         w = self.weights[l]
@@ -90,11 +93,6 @@ class DictExperts(nn.Module):
 
     def state_access(self, key: str, optimizer=None, engine=None) -> "DictState":
         return DictState(self)
-
-    def chunk_runner(self, chunk_counts, grad_scale: float, x_like: torch.Tensor):
-        runner = AutogradChunkRunner(self, chunk_counts, grad_scale, x_like)
-        runner.params = tuple(self.leaves())      # differentiate the dict's tensors
-        return runner
 
 
 class DictState:
