@@ -13,6 +13,9 @@ Each leaves the previous checkpoint as the newest; the next start removes what t
 dense directory is named by a commit point. The same on 2 ranks (each writes its part of the
 dense half): both killed at the moment, or only rank 1 (rank 0's next collective then fails
 with the backend's error and it removes the temp directory on its way out).
+
+A bit flipped in a DCP data file of the newest checkpoint: `--resume` names the file, falls back
+to the previous checkpoint and continues with the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from fault_helpers import losses, rank_env, temp_files
 from kill_loop import STEPS, die_at, loop_args
 
 from moescale.parallel.launch import free_port
-from moescale.train.checkpoint import DENSE_DIR, dense_dirs_named, list_checkpoints
+from moescale.train.checkpoint import (DENSE_DIR, dense_dirs_named, list_checkpoints,
+                                       load_checkpoint)
 
 KILL_STEP = 5
 
@@ -95,3 +99,23 @@ def test_kill9_of_ranks_inside_a_dcp_save_resumes_bitwise(launcher, corpus, tmp_
     assert ("temp file(s)" in resumed[0].text()) == (who == "both")
     assert losses(run_dir) == losses(reference)
     _left_clean(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_corrupted_dcp_file_is_refused_by_name_and_resume_falls_back(launcher, corpus,
+                                                                      reference, tmp_path):
+    run_dir = tmp_path / "run"
+    code, text = launcher.run(loop_args(corpus, run_dir, STEPS), tmp_path)
+    assert code == 0, text
+    ckpt = run_dir / "checkpoints"
+    newest = load_checkpoint(list_checkpoints(ckpt)[-1][1])[1]
+    data = ckpt / newest["dense"]["dir"] / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01                       # one bit of one tensor
+    data.write_bytes(bytes(raw))
+    code, text = launcher.run(["train", "--resume", str(run_dir)], tmp_path)
+    assert code == 0, text
+    assert f"dense checkpoint file {str(data)!r} failed its checksum" in text
+    assert f"(step {STEPS - 1})" in text                  # the previous checkpoint
+    assert losses(run_dir) == reference
