@@ -13,15 +13,15 @@ whatever layout the loading run has, so a checkpoint resumes at another world si
 sharding. No process group is needed: one process writes and reads the same format.
 
 Durability (docs/reliability.md): every rank writes into `checkpoints/dense-<step>-<id>.tmp/`
-(DCP fsyncs its files); each rank hashes the files it wrote (sha256), rank 0 gathers the sums,
-checks that DCP's `.metadata` reads back and names only files that are there, writes
-`manifest.json` (every file's size and sha256) and renames the directory to
+(DCP fsyncs its files); each rank hashes the files it wrote (xxh3-128, as the expert store
+hashes its records: 144 MiB in 9.5 ms here, sha256 155 ms), rank 0 gathers the sums, checks that DCP's `.metadata` reads back and names only files that are there, writes
+`manifest.json` (every file's size and xxh3-128) and renames the directory to
 `dense-<step>-<id>` (publish_dir: fsynced). Only then does the caller write the commit point
 (the run's `ckpt_<step>.safetensors`, which records the directory and the manifest's sha256).
 A kill before the rename leaves a `*.tmp` directory, one after it and before the commit a
 directory no commit names: the next start removes both (checkpoint.remove_unnamed_dense,
-from sweep_temp_files and after each save). `<id>` is new for every save, so a save never writes over a
-directory a commit point names. Loading checks the manifest against the commit's sum and every
+from sweep_temp_files and after each save). `<id>` is new for every save, so a save never
+writes over a directory a commit point names. Loading checks the manifest against the commit's sum and every
 file against the manifest (the ranks share the files out) before anything is read into the
 model; a damaged, truncated or missing file is a CheckpointError naming it.
 """
@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import xxhash
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -55,8 +56,8 @@ def dense_dir_name(step: int, nonce: str) -> str:
     return f"{DENSE_PREFIX}{step:08d}-{nonce}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _file_sum(path: Path) -> str:
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -132,7 +133,7 @@ def _publish(tmp: Path, final: Path, step: int, rank: int, ranks) -> dict:
     """Hash every rank's files, check and write the manifest, rename into place (rank 0)."""
     mine, error = {}, None
     try:
-        mine = {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(tmp.iterdir())
+        mine = {p.name: [p.stat().st_size, _file_sum(p)] for p in sorted(tmp.iterdir())
                 if p.name.startswith(f"__{rank}_")}
     except OSError as err:
         error = err
@@ -143,7 +144,7 @@ def _publish(tmp: Path, final: Path, step: int, rank: int, ranks) -> dict:
         try:
             files = {name: value for part in parts for name, value in part.items()}
             meta = tmp / ".metadata"
-            files[".metadata"] = [meta.stat().st_size, _sha256(meta)]
+            files[".metadata"] = [meta.stat().st_size, _file_sum(meta)]
             _check_metadata(tmp, files)
             text = json.dumps({"step": step, "files": files}, sort_keys=True, indent=1)
             atomic_write_text(tmp / MANIFEST, text)
@@ -211,7 +212,7 @@ def verify_dense(ckpt_dir: str | Path, entry: dict, ranks=None) -> None:
             if not path.is_file():
                 raise CheckpointError(f"dense checkpoint file {str(path)!r} is missing; the "
                                       "checkpoint is incomplete and not used")
-            if path.stat().st_size != size or _sha256(path) != digest:
+            if path.stat().st_size != size or _file_sum(path) != digest:
                 raise CheckpointError(f"dense checkpoint file {str(path)!r} failed its "
                                       "checksum (truncated or corrupted); it is left in place "
                                       "and not used")

@@ -1,6 +1,6 @@
 """The dense half of a checkpoint through DCP (moescale.train.dense_dcp): one process, 2 gloo
-ranks replicated, 2 gloo ranks sharded with FSDP2's fully_shard; each layout's checkpoint read
-by the others. The state read back equals the state saved bit for bit (gathered whole), and
+ranks replicated, 2 (and 4) gloo ranks sharded with FSDP2's fully_shard; each layout's
+checkpoint read by the others (4 sharded ranks by 2). The state read back equals the state saved bit for bit (gathered whole), and
 the resumed steps give the uninterrupted run's losses (bit for bit on the same layout, within
 the reduction order's 1e-5 on another). A damaged file is refused naming it."""
 
@@ -23,8 +23,8 @@ from moescale.train.named_state import dense_state
 SAVE, STEPS = 3, 6
 
 
-def _ranks(layout: str, directory, save_at=None, resume=None):
-    results = run_local(train_on_ranks, 2, (layout, str(directory), STEPS, save_at, resume),
+def _ranks(layout: str, directory, save_at=None, resume=None, world=2):
+    results = run_local(train_on_ranks, world, (layout, str(directory), STEPS, save_at, resume),
                         timeout_s=30, deadline_s=100)
     losses, entry, rest, state = results[0].value
     return losses, entry, rest, torch.load(io.BytesIO(state))
@@ -65,6 +65,18 @@ def test_each_layout_resumes_the_others_checkpoint(tmp_path):
     losses, _, _, loaded = _ranks("sharded", one_dir, resume=resume)
     _same(loaded, one_saved)
     torch.testing.assert_close(losses, one_losses[SAVE:], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_four_rank_sharded_checkpoint_resumes_on_two_sharded_ranks(tmp_path):
+    losses4, entry, rest, saved = _ranks("sharded", tmp_path, save_at=SAVE, world=4)
+    assert len([p for p in (tmp_path / entry["dir"]).iterdir() if p.suffix == ".distcp"]) == 4
+    resume = {"entry": entry, "rest": rest, "step": SAVE}
+    losses, _, _, loaded = _ranks("sharded", tmp_path, resume=resume)
+    _same(loaded, saved)
+    torch.testing.assert_close(losses, losses4[SAVE:], rtol=1e-5, atol=0)
 
 
 def _one_save(directory):
