@@ -1,9 +1,11 @@
 """Checkpoints: one self-verifying safetensors file per saved step, written atomically.
 
-A checkpoint `ckpt_<step>.safetensors` holds every tensor (model parameters and buffers under
-`model.`, AdamW state under `optim.`, torch's RNG state) and, in the safetensors metadata, a JSON
-`state` (step, config, data generator state, optimizer hyper-parameters, anything small) and a
-`sha256` over that JSON and every tensor's bytes in name order. Nothing is pickled.
+A checkpoint `ckpt_<step>.safetensors` holds tensors (a run's RNG state; in checkpoints before
+the dense half went through DCP also the model parameters and buffers under `model.` and the
+AdamW state under `optim.`) and, in the safetensors metadata, a JSON `state` (step, config,
+data generator state, optimizer hyper-parameters, the name and manifest sum of the run's DCP
+dense directory, anything small) and a `sha256` over that JSON and every tensor's bytes in name
+order. It is a run's commit point: written last. Nothing is pickled.
 
 Writing goes to a temp file in the same directory, is fsynced, then `os.replace`d into place, so
 a crash leaves either the old set or the new one. After a save only the newest `keep_last`
@@ -14,8 +16,9 @@ previous checkpoint (reporting what it skipped), never deleting the bad file its
 No checkpoint holds NaN or Inf: `save_checkpoint` refuses such tensors before writing anything
 (`NonFiniteError`), and loading refuses them too (a file written before this check, by a
 diverged run), so `load_latest` falls back to the previous checkpoint. A kill mid-write leaves
-temp files (ours, safetensors' `.tmpXXXXXX`, partial `*.tmp` store directories); the next
-start removes them with `sweep_temp_files`.
+temp files (ours, safetensors' `.tmpXXXXXX`, partial `*.tmp` store and DCP directories) or a
+DCP dense directory no commit file names (train/dense_dcp.py); the next start removes them
+with `sweep_temp_files` (`remove_unnamed_dense`).
 
 This file knows nothing of the training loop beyond "a dict of tensors plus a JSON state".
 """

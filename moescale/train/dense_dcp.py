@@ -14,16 +14,17 @@ sharding. No process group is needed: one process writes and reads the same form
 
 Durability (docs/reliability.md): every rank writes into `checkpoints/dense-<step>-<id>.tmp/`
 (DCP fsyncs its files); each rank hashes the files it wrote (xxh3-128, as the expert store
-hashes its records: 144 MiB in 9.5 ms here, sha256 155 ms), rank 0 gathers the sums, checks that DCP's `.metadata` reads back and names only files that are there, writes
-`manifest.json` (every file's size and xxh3-128) and renames the directory to
-`dense-<step>-<id>` (publish_dir: fsynced). Only then does the caller write the commit point
-(the run's `ckpt_<step>.safetensors`, which records the directory and the manifest's sha256).
-A kill before the rename leaves a `*.tmp` directory, one after it and before the commit a
-directory no commit names: the next start removes both (checkpoint.remove_unnamed_dense,
-from sweep_temp_files and after each save). `<id>` is new for every save, so a save never
-writes over a directory a commit point names. Loading checks the manifest against the commit's sum and every
-file against the manifest (the ranks share the files out) before anything is read into the
-model; a damaged, truncated or missing file is a CheckpointError naming it.
+hashes its records: 144 MiB in 9.5 ms here, sha256 155 ms), rank 0 gathers the sums, checks
+that DCP's `.metadata` reads back and names only files that are there, writes `manifest.json`
+(every file's size and xxh3-128) and renames the directory to `dense-<step>-<id>`
+(publish_dir: fsynced). Only then does the caller write the commit point (the run's
+`ckpt_<step>.safetensors`, which records the directory and the manifest's sha256). A kill
+before the rename leaves a `*.tmp` directory, one after it and before the commit a directory
+no commit names: the next start removes both (checkpoint.remove_unnamed_dense, from
+sweep_temp_files and after each save). `<id>` is new for every save, so a save never writes
+over a directory a commit point names. Loading checks the manifest against the commit's sum
+and every file against the manifest (the ranks share the files out) before anything is read
+into the model; a damaged, truncated or missing file is a CheckpointError naming it.
 """
 
 from __future__ import annotations

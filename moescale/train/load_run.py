@@ -8,12 +8,13 @@ vocabulary from the checkpoint's embedding; a `--model.hf` run's shape from mode
 config.json, or the run's copy of it, hf_config.json); the weights come from the newest checkpoint that
 verifies (or checkpoint `step`): its dense half (a DCP directory written by any number of
 ranks, sharded or replicated, read whole here: dense_dcp.consolidated), then every expert from
-the per-rank expert shards (moescale.expert_state), whichever exchange and residency wrote them: one process or
-expert-parallel ranks, resident or offloaded (host tier, disk-tier records), dynamic placement's
-node store. The result is a plain, single-process, resident GPT in eval mode on `device`;
-optimizer state is not read. Checkpoints of the earlier consolidated format load too (every
-tensor is in the dense file). A checkpoint that fails verification (dense file or expert shard)
-is reported on stderr and the previous one is used, as `--resume` does; with `step` given it is
+the per-rank expert shards (moescale.expert_state), whichever exchange and residency wrote
+them: one process or expert-parallel ranks, resident or offloaded (host tier, disk-tier
+records), dynamic placement's node store. The result is a plain, single-process, resident
+GPT in eval mode on `device`; optimizer state is not read. Checkpoints of earlier formats load
+too (format 2: the dense half whole in the commit file; the consolidated one: every tensor in
+it). A checkpoint that fails verification (commit file, dense directory or expert shard) is
+reported on stderr and the previous one is used, as `--resume` does; with `step` given it is
 an error.
 
 The model is built on the meta device and filled from the checkpoint, so nothing is

@@ -9,11 +9,14 @@ the losses agree up to the reduction order. Legend: B batch rows, D width.
 from __future__ import annotations
 
 import io
+import os
+import signal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moescale.train import dense_dcp
 from moescale.train.dense_dcp import dense_metadata, load_dense, save_dense, verify_dense
 from moescale.train.named_state import dense_state, load_dense_state, load_targets
 from moescale.train.ranks import OneProcess, WorldRanks
@@ -76,9 +79,11 @@ def train_on_ranks(rank: int, world: int, *args):
 
 
 def train(rank: int, world: int, layout: str, directory: str, steps: int,
-          save_at: int | None = None, resume: dict | None = None):
+          save_at: int | None = None, resume: dict | None = None, die_at: int | None = None):
     """Train to `steps` (from `resume`'s step when given: {"entry", "rest", "step"}); save
-    the dense half at `save_at`. Returns (losses, entry, rest, state at save or at load)."""
+    the dense half at `save_at`; at `die_at` save again and SIGKILL this process once every
+    rank's DCP files are written (before the manifest and the rename). Returns (losses, entry,
+    rest, state at save or at load)."""
     ranks = OneProcess() if world == 1 else WorldRanks(30)
     model, opt = build(layout, world)
     first, entry, rest, state = 0, None, None, None
@@ -105,6 +110,9 @@ def train(rank: int, world: int, layout: str, directory: str, steps: int,
         if world > 1:
             dist.all_reduce(value)
         losses.append(value.item() / world)
+        if step + 1 == die_at:
+            dense_dcp._publish = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+            save_dense(dense_state(model, opt, set())[0], directory, die_at, ranks)
         if step + 1 == save_at:
             tensors, rest = dense_state(model, opt, set())
             entry = save_dense(tensors, directory, save_at, ranks)

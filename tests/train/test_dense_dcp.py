@@ -1,22 +1,26 @@
 """The dense half of a checkpoint through DCP (moescale.train.dense_dcp): one process, 2 gloo
 ranks replicated, 2 (and 4) gloo ranks sharded with FSDP2's fully_shard; each layout's
-checkpoint read by the others (4 sharded ranks by 2). The state read back equals the state saved bit for bit (gathered whole), and
-the resumed steps give the uninterrupted run's losses (bit for bit on the same layout, within
-the reduction order's 1e-5 on another). A damaged file is refused naming it."""
+checkpoint read by the others (4 sharded ranks by 2). The state read back equals the state
+saved bit for bit (gathered whole), and the resumed steps give the uninterrupted run's losses
+(bit for bit on the same layout, within the reduction order's 1e-5 on another). A damaged file
+is refused naming it; a full disk leaves no temp directory; a kill -9 of both sharded ranks
+inside a save leaves the previous checkpoint, which resumes bit for bit."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import resource
+import signal
 
 import pytest
 import torch
 from dcp_workers import build, train, train_on_ranks
 
 from moescale.parallel.launch import run_local
-from moescale.train.checkpoint import CheckpointError, remove_unnamed_dense
+from moescale.train.checkpoint import CheckpointError, remove_unnamed_dense, sweep_temp_files
 from moescale.train.dense_dcp import consolidated, save_dense, verify_dense
 from moescale.train.named_state import dense_state
 
@@ -77,6 +81,30 @@ def test_a_four_rank_sharded_checkpoint_resumes_on_two_sharded_ranks(tmp_path):
     losses, _, _, loaded = _ranks("sharded", tmp_path, resume=resume)
     _same(loaded, saved)
     torch.testing.assert_close(losses, losses4[SAVE:], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_kill9_of_both_ranks_during_a_sharded_save_leaves_the_previous_one(tmp_path):
+    """Both fully_shard ranks SIGKILLed inside the save of step 5, their DCP files written:
+    the checkpoint of step 3 verifies, the next start's sweep removes the temp directory, and
+    resuming sharded from step 3 gives the uninterrupted run's losses bit for bit."""
+    reference, _, rest, _ = _ranks("sharded", tmp_path / "reference", save_at=SAVE)
+    ckpt = tmp_path / "run" / "checkpoints"
+    results = run_local(train_on_ranks, 2, ("sharded", str(ckpt), STEPS, SAVE, None, 5),
+                        timeout_s=30, deadline_s=100, raise_on_error=False)
+    assert [r.exitcode for r in results] == [-signal.SIGKILL] * 2, results
+    temps = [p.name for p in ckpt.iterdir() if p.name.endswith(".tmp")]
+    assert len(temps) == 1 and temps[0].startswith("dense-00000005-"), temps
+    (done,) = [p.name for p in ckpt.iterdir() if not p.name.endswith(".tmp")]
+    entry = {"dir": done, "manifest_sha256": hashlib.sha256(
+        (ckpt / done / "manifest.json").read_bytes()).hexdigest()}
+    verify_dense(ckpt, entry)
+    losses = _ranks("sharded", ckpt, resume={"entry": entry, "rest": rest, "step": SAVE})[0]
+    assert losses == reference[SAVE:]
+    assert sweep_temp_files(tmp_path / "run")[0] == 2      # the temp, and the unnamed one
+    assert not any(ckpt.iterdir())   # (no commit file here names step 3's: a real run's does)
 
 
 def _one_save(directory):
