@@ -18,7 +18,7 @@ A checkpoint of step s is
   (`expert_shards`).
 
 Resume at any rank count, sharding, exchange or residency: the dense directory is verified
-(every file's sha256) and read into whatever layout the model has now (replicated, sharded, one
+(every file's xxh3-128) and read into whatever layout the model has now (replicated, sharded, one
 process), the dense optimizer state by name, then each rank reads only the experts it now holds
 from whichever shards have them, verifying every checksum before anything changes; a damaged
 or missing file raises CheckpointError or StoreCheckpointError, and the trainer falls back to
