@@ -40,24 +40,37 @@ def _same(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_each_layout_resumes_the_others_checkpoint(tmp_path):
-    """sharded (2 ranks) -> one process, -> replicated (2 ranks); one process -> sharded."""
-    sharded_dir, one_dir = tmp_path / "sharded", tmp_path / "one"
+def _sharded_run(tmp_path):
+    """2 fully_shard ranks, 6 steps, the dense half saved after step 3; one process reads it."""
+    sharded_dir = tmp_path / "sharded"
     sharded_losses, entry, rest, saved = _ranks("sharded", sharded_dir, save_at=SAVE)
-    one_losses, one_entry, one_rest, one_saved = train(0, 1, "one", str(one_dir), STEPS, SAVE)
-    # the sharded run is the one-process run up to the reduction order
-    torch.testing.assert_close(sharded_losses, one_losses, rtol=1e-5, atol=0)
     # the sharded checkpoint holds every tensor whole once, as the run had it
     _same(consolidated(sharded_dir, entry), saved)
     assert sorted(p.name for p in (sharded_dir / entry["dir"]).iterdir()) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]   # every rank its part
-
     resume = {"entry": entry, "rest": rest, "step": SAVE}
     losses, _, _, loaded = train(0, 1, "one", str(sharded_dir), STEPS, resume=resume)
     _same(loaded, saved)                                    # read back bit for bit
     torch.testing.assert_close(losses, sharded_losses[SAVE:], rtol=1e-5, atol=0)
+    return sharded_dir, sharded_losses, resume, saved
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_sharded_checkpoint_resumes_on_one_process(tmp_path):
+    _sharded_run(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_each_layout_resumes_the_others_checkpoint(tmp_path):
+    """sharded (2 ranks) -> one process, -> replicated (2 ranks), -> sharded; one process ->
+    sharded; the sharded run equals the one-process run."""
+    sharded_dir, sharded_losses, resume, saved = _sharded_run(tmp_path)
+    one_dir = tmp_path / "one"
+    one_losses, one_entry, one_rest, one_saved = train(0, 1, "one", str(one_dir), STEPS, SAVE)
+    torch.testing.assert_close(sharded_losses, one_losses, rtol=1e-5, atol=0)
     losses, _, _, loaded = _ranks("replicated", sharded_dir, resume=resume)
     _same(loaded, saved)
     torch.testing.assert_close(losses, sharded_losses[SAVE:], rtol=1e-5, atol=0)
