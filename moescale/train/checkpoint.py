@@ -1,9 +1,11 @@
 """Checkpoints: one self-verifying safetensors file per saved step, written atomically.
 
-A checkpoint `ckpt_<step>.safetensors` holds every tensor (model parameters and buffers under
-`model.`, AdamW state under `optim.`, torch's RNG state) and, in the safetensors metadata, a JSON
-`state` (step, config, data generator state, optimizer hyper-parameters, anything small) and a
-`sha256` over that JSON and every tensor's bytes in name order. Nothing is pickled.
+A checkpoint `ckpt_<step>.safetensors` holds tensors (a run's RNG state; in checkpoints before
+the dense half went through DCP also the model parameters and buffers under `model.` and the
+AdamW state under `optim.`) and, in the safetensors metadata, a JSON `state` (step, config,
+data generator state, optimizer hyper-parameters, the name and manifest sum of the run's DCP
+dense directory, anything small) and a `sha256` over that JSON and every tensor's bytes in name
+order. It is a run's commit point: written last. Nothing is pickled.
 
 Writing goes to a temp file in the same directory, is fsynced, then `os.replace`d into place, so
 a crash leaves either the old set or the new one. After a save only the newest `keep_last`
@@ -14,8 +16,9 @@ previous checkpoint (reporting what it skipped), never deleting the bad file its
 No checkpoint holds NaN or Inf: `save_checkpoint` refuses such tensors before writing anything
 (`NonFiniteError`), and loading refuses them too (a file written before this check, by a
 diverged run), so `load_latest` falls back to the previous checkpoint. A kill mid-write leaves
-temp files (ours, safetensors' `.tmpXXXXXX`, partial `*.tmp` store directories); the next
-start removes them with `sweep_temp_files`.
+temp files (ours, safetensors' `.tmpXXXXXX`, partial `*.tmp` store and DCP directories) or a
+DCP dense directory no commit file names (train/dense_dcp.py); the next start removes them
+with `sweep_temp_files` (`remove_unnamed_dense`).
 
 This file knows nothing of the training loop beyond "a dict of tensors plus a JSON state".
 """
@@ -36,6 +39,8 @@ from safetensors.torch import load_file, save_file
 from moescale.atomic import atomic_path, is_temp_name
 
 _NAME = re.compile(r"ckpt_(\d{8})\.safetensors")
+_ANY_NAME = re.compile(r"ckpt_(\d{8})\.safetensors(\.corrupt|\.diverged)?")
+DENSE_DIR = re.compile(r"dense-(\d{8})-([0-9a-f]{8})")     # train/dense_dcp.py's directories
 _SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")   # save_file's temp, renamed when done
 
 
@@ -124,7 +129,8 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, tensors: dict[str, torch.Te
 
 def sweep_temp_files(run_dir: str | Path) -> tuple[int, int]:
     """Remove what killed writers left in a run directory and its checkpoints folder (files
-    of atomic_path, safetensors' own `.tmpXXXXXX`, partial `*.tmp` directories); returns
+    of atomic_path, safetensors' own `.tmpXXXXXX`, partial `*.tmp` directories, dense
+    directories that no commit point names: remove_unnamed_dense); returns
     (entries removed, bytes freed). Run it before the run writes anything: a temp name
     belongs to no live writer then."""
     run_dir = Path(run_dir)
@@ -143,7 +149,46 @@ def sweep_temp_files(run_dir: str | Path) -> tuple[int, int]:
         else:
             freed += path.lstat().st_size
             path.unlink(missing_ok=True)
-    return len(found), freed
+    orphans, orphan_bytes = remove_unnamed_dense(ckpt_dir)
+    return len(found) + orphans, freed + orphan_bytes
+
+
+def dense_dirs_named(ckpt_dir: str | Path) -> tuple[set[str], set[int]]:
+    """(the dense directories that commit points in `ckpt_dir` name, set-aside ones included;
+    the steps of commit points whose metadata cannot be read: their directories are kept)."""
+    named, unread = set(), set()
+    for m in map(_ANY_NAME.fullmatch, os.listdir(ckpt_dir)):
+        if not m:
+            continue
+        try:
+            with safe_open(str(Path(ckpt_dir, m.group(0))), "pt") as f:
+                dense = json.loads((f.metadata() or {}).get("state", "{}")).get("dense")
+        except (SafetensorError, OSError, ValueError, RuntimeError):
+            unread.add(int(m.group(1)))
+            continue
+        if isinstance(dense, dict) and isinstance(dense.get("dir"), str):
+            named.add(dense["dir"])
+    return named, unread
+
+
+def remove_unnamed_dense(ckpt_dir: str | Path) -> tuple[int, int]:
+    """Remove the dense directories (`dense-<step>-<id>`) no commit point names: a kill
+    between a dense directory's rename and its commit point, or a checkpoint no longer kept.
+    Returns (directories removed, bytes freed)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return 0, 0
+    named, unread = dense_dirs_named(ckpt_dir)
+    count = freed = 0
+    for m in map(DENSE_DIR.fullmatch, os.listdir(ckpt_dir)):
+        path = ckpt_dir / m.group(0) if m else None
+        if path is None or m.group(0) in named or int(m.group(1)) in unread \
+                or path.is_symlink() or not path.is_dir():
+            continue
+        freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        shutil.rmtree(path, ignore_errors=True)
+        count += 1
+    return count, freed
 
 
 def _is_temp(name: str) -> bool:

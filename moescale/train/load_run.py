@@ -6,13 +6,15 @@
 The run's `config.toml` rebuilds the GPT (the size, the overrides the run resolved, the
 vocabulary from the checkpoint's embedding; a `--model.hf` run's shape from model.hf's
 config.json, or the run's copy of it, hf_config.json); the weights come from the newest checkpoint that
-verifies (or checkpoint `step`): its dense half, then every expert from the per-rank expert
-shards (moescale.expert_state), whichever exchange and residency wrote them: one process or
-expert-parallel ranks, resident or offloaded (host tier, disk-tier records), dynamic placement's
-node store. The result is a plain, single-process, resident GPT in eval mode on `device`;
-optimizer state is not read. Checkpoints of the earlier consolidated format load too (every
-tensor is in the dense file). A checkpoint that fails verification (dense file or expert shard)
-is reported on stderr and the previous one is used, as `--resume` does; with `step` given it is
+verifies (or checkpoint `step`): its dense half (a DCP directory written by any number of
+ranks, sharded or replicated, read whole here: dense_dcp.consolidated), then every expert from
+the per-rank expert shards (moescale.expert_state), whichever exchange and residency wrote
+them: one process or expert-parallel ranks, resident or offloaded (host tier, disk-tier
+records), dynamic placement's node store. The result is a plain, single-process, resident
+GPT in eval mode on `device`; optimizer state is not read. Checkpoints of earlier formats load
+too (format 2: the dense half whole in the commit file; the consolidated one: every tensor in
+it). A checkpoint that fails verification (commit file, dense directory or expert shard) is
+reported on stderr and the previous one is used, as `--resume` does; with `step` given it is
 an error.
 
 The model is built on the meta device and filled from the checkpoint, so nothing is
@@ -38,10 +40,11 @@ from moescale.expert_state import expert_state_keys, load_expert_shards
 from moescale.layers.moe import MoE
 from moescale.models import GPT
 from moescale.offload.checkpoint import StoreCheckpointError
-from moescale.train.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint,
-                                       verified_checkpoints)
+from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_checkpoints,
+                                       load_checkpoint, verified_checkpoints)
 from moescale.train.config import RunConfig, load_config, saved_tree
-from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
+from moescale.train.dense_dcp import consolidated, verify_dense
+from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT, SHARDED_FORMATS
 from moescale.train.model import build_model
 
 
@@ -52,6 +55,17 @@ def run_config(run_dir: str | Path) -> RunConfig:
         raise ValueError(f"run directory {str(run_dir)!r} does not exist; give the directory a "
                          "`moescale train` run wrote (runs/<timestamp>)")
     return load_config(None, None, base=saved_tree(run_dir, f"run directory {str(run_dir)!r}"))
+
+
+def _with_dense(ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: dict
+                ) -> dict[str, torch.Tensor]:
+    """The commit file's tensors plus, for a checkpoint whose dense half is a DCP directory
+    (dense_dcp.py, written by any number of ranks, sharded or not), that half's weights
+    whole, verified first (CheckpointError naming a bad file)."""
+    if state.get("format") != RUN_STATE_FORMAT:
+        return tensors
+    verify_dense(ckpt_dir, state.get("dense"))
+    return dict(tensors, **consolidated(ckpt_dir, state["dense"], prefix="model."))
 
 
 def _build(config: RunConfig, tensors: dict[str, torch.Tensor], device, run_dir,
@@ -72,7 +86,7 @@ def _fill(model: GPT, ckpt_dir: Path, tensors: dict[str, torch.Tensor], state: d
           engine=None) -> None:
     """Dense half, then the expert shards (any writer layout); legacy: everything dense."""
     dense = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    sharded = state.get("format") == RUN_STATE_FORMAT
+    sharded = state.get("format") in SHARDED_FORMATS
     missing, unexpected = model.load_state_dict(dense, strict=False)
     if sharded:
         missing = sorted(set(missing) - expert_state_keys(model))
@@ -115,6 +129,7 @@ def load_run_offloaded(run_dir: str | Path, step: int | None, device: str | torc
             raise ValueError(f"step={step}: {str(run_dir)!r} has checkpoints of steps "
                              f"{[s for s, _ in found]}; pick one of them")
         tensors, state = load_checkpoint(checkpoint_path(ckpt_dir, step))
+        tensors = _with_dense(ckpt_dir, tensors, state)
         model, engine = _build(config, tensors, device, run_dir, offload)
         try:
             _fill(model, ckpt_dir, tensors, state, engine)
@@ -125,6 +140,11 @@ def load_run_offloaded(run_dir: str | Path, step: int | None, device: str | torc
         return model.eval(), config, engine
     warn = lambda m: print(m, file=sys.stderr)   # noqa: E731
     for path, tensors, state in verified_checkpoints(ckpt_dir, warn):
+        try:
+            tensors = _with_dense(ckpt_dir, tensors, state)
+        except CheckpointError as err:
+            warn(f"warning: {str(err).splitlines()[0]}; trying the previous checkpoint")
+            continue
         model, engine = _build(config, tensors, device, run_dir, offload)
         try:
             _fill(model, ckpt_dir, tensors, state, engine)

@@ -3,8 +3,9 @@ set aside those not trusted after a divergence.
 
 `resume(trainer)` loads the newest checkpoint whose dense half and expert store both verify
 (falling back past corrupt ones, which it renames `.corrupt`, never deleting them);
-`save(trainer)` is collective: every rank writes the experts it holds, then rank 0 the dense
-half (the commit point) and drops the checkpoints neither `train.keep_last` nor trust.py keeps;
+`save(trainer)` is collective: every rank writes the experts it holds, then its part of the
+dense half (dense_dcp.py), then rank 0 the commit point and drops the checkpoints neither
+`train.keep_last` nor trust.py keeps;
 `set_aside_diverged(trainer)` renames the checkpoints written within trust.TRUST_STEPS of a
 divergence to `.diverged` and says which checkpoint to continue from.
 
@@ -23,6 +24,7 @@ from moescale.train.checkpoint import (CheckpointError, checkpoint_path, list_ch
                                        nonfinite, save_checkpoint, verified_checkpoints)
 from moescale.train.config import to_dict
 from moescale.train.guard import TrainingDiverged
+from moescale.train.named_state import local_tensors
 from moescale.train.run_state import FORMAT as RUN_STATE_FORMAT
 from moescale.train.trust import TRUST_STEPS
 
@@ -47,7 +49,7 @@ def resume(trainer) -> None:
         error = None
         try:
             trainer.parts.state.load(trainer.ckpt_dir, tensors, state)
-        except StoreCheckpointError as err:     # every rank falls back together
+        except (StoreCheckpointError, CheckpointError) as err:   # every rank falls back
             error = err
         except (RuntimeError, KeyError, ValueError) as err:     # another model's: fall back
             error = CheckpointError(f"checkpoint {str(path)!r} does not fit this model/config "
@@ -75,23 +77,23 @@ def resume(trainer) -> None:
     print(f"resumed from {path} (step {trainer.step})", file=trainer.err)
 
 def save(trainer) -> Path:
-    """Collective: every rank writes the experts it holds, then rank 0 the dense half and
-    the commit point (run_state.py)."""
+    """Collective: every rank writes the experts it holds, then its part of the dense half
+    (DCP), then rank 0 the commit point (run_state.py)."""
     run_state = trainer.parts.state
     tensors, opt_rest = run_state.dense_state()
-    tensors["rng.torch"] = torch.get_rng_state()
+    rng = {"rng.torch": torch.get_rng_state()}
     if trainer.device.type == "cuda":
-        tensors["rng.cuda"] = torch.cuda.get_rng_state(trainer.device)
+        rng["rng.cuda"] = torch.cuda.get_rng_state(trainer.device)
     state = {"step": trainer.step, "format": RUN_STATE_FORMAT, "optimizer": opt_rest,
              "data_rng": trainer.batches.state(), "config": to_dict(trainer.config)}
     path = checkpoint_path(trainer.ckpt_dir, trainer.step)
-    bad = (nonfinite(tensors) if trainer.writer else None) or run_state.nonfinite_experts()
+    bad = nonfinite(local_tensors(tensors)) or run_state.nonfinite_experts()   # own shards
     if trainer.ranks.any(bad is not None):               # every rank stops, none waits
         raise TrainingDiverged(
             f"refusing to write the checkpoint of step {trainer.step}: " +
             (f"{bad[0]} holds {bad[1]:,} NaN or Inf values" if bad else "another rank found "
              "NaN or Inf") + "; the checkpoints already written are finite: lower optim.lr")
-    failed = entry = None
+    failed = entry = dense = None
     try:
         trainer.ckpt_dir.mkdir(parents=True, exist_ok=True)
         entry = run_state.save_experts(trainer.ckpt_dir, trainer.step)     # first
@@ -99,13 +101,19 @@ def save(trainer) -> Path:
         failed = err
     entries = [e for e in trainer.ranks.gather_objects(entry) if e is not None]
     shards_failed = trainer.ranks.any(failed is not None)
-    if trainer.writer and not shards_failed:
+    if not shards_failed:
+        try:                   # collective: a failure on one rank raises on every rank
+            dense = run_state.save_dense(tensors, trainer.ckpt_dir, trainer.step)
+        except OSError as err:
+            failed = err
+    if trainer.writer and dense is not None:
         try:
             steps = [s for s, _ in list_checkpoints(trainer.ckpt_dir)] + [trainer.step]
             protect = trainer.trust.protected(steps, trainer.step,
                                               final=trainer.step == trainer.config.train.steps)
-            path = save_checkpoint(trainer.ckpt_dir, trainer.step, tensors, dict(
-                state, expert_shards=entries), trainer.config.train.keep_last, protect)  # commit
+            path = save_checkpoint(trainer.ckpt_dir, trainer.step, rng, dict(
+                state, expert_shards=entries, dense=dense), trainer.config.train.keep_last,
+                protect)                                                        # commit
             if trainer.step > 0 and 0 not in protect:   # the initial state: a safety net only
                 checkpoint_path(trainer.ckpt_dir, 0).unlink(missing_ok=True)
             run_state.after_save(trainer.ckpt_dir)
@@ -120,7 +128,6 @@ def save(trainer) -> Path:
                       "checkpoints already written are intact")
     trainer.ranks.barrier()
     return path
-
 
 
 def set_aside_diverged(trainer) -> str:

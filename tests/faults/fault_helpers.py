@@ -32,7 +32,7 @@ def tiny_args(corpus: Path, run_dir: Path, **extra: str) -> list[str]:
     return as_argv(overrides)
 
 
-def _child(argv: list[str], cwd: str, log: str, env: dict) -> None:
+def _child(argv: list[str], cwd: str, log: str, env: dict, hook=None) -> None:
     import threading
 
     from tqdm import tqdm
@@ -45,6 +45,8 @@ def _child(argv: list[str], cwd: str, log: str, env: dict) -> None:
     os.dup2(fd, 2)
     from moescale.cli import main
 
+    if hook is not None:      # a picklable callable run first (kill_loop.die_at: a fault point)
+        hook()
     sys.exit(main(argv))
 
 
@@ -79,10 +81,11 @@ class Launcher:
         self.started = 0
 
     def start(self, argv: list[str], cwd: Path, log: Path | None = None,
-              env: dict | None = None) -> Child:
+              env: dict | None = None, hook=None) -> Child:
         self.started += 1
         log = log or Path(cwd) / f"child{self.started}.log"
-        proc = self.ctx.Process(target=_child, args=(list(argv), str(cwd), str(log), env or {}))
+        proc = self.ctx.Process(target=_child, args=(list(argv), str(cwd), str(log), env or {},
+                                                     hook))
         proc.start()
         return Child(proc, log)
 

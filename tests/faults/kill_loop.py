@@ -2,7 +2,8 @@
 
 `kill_resume_loop` trains the tiny model with a checkpoint every step in one run directory.
 Each process is SIGKILLed while it writes a checkpoint (the parent spins on the checkpoint
-folder and kills as soon as the temp file of the chosen step appears, 2 or 3 steps after the
+folder and kills as soon as a temp of the chosen step appears, the dense half's DCP directory
+or the commit file's, 2 or 3 steps after the
 process's start so every process commits progress first); the next process resumes with
 `--resume`. The last one runs to the end. What it reports is what the tests assert: every
 kill landed during a write, every start after a kill removed the temp files it left, no temp
@@ -22,7 +23,8 @@ from fault_helpers import Launcher, losses, temp_files, tiny_args, wait_for
 from moescale.train.checkpoint import list_checkpoints
 
 STEPS = 40     # the kill, SIGTERM and disk-full tests train this many steps
-OUR_TEMP = re.compile(r"\.ckpt_(\d{8})\.safetensors\..*\.tmp")
+# the commit file's temp, or the dense half's DCP temp directory (written before it)
+OUR_TEMP = re.compile(r"\.ckpt_(\d{8})\.safetensors\..*\.tmp|dense-(\d{8})-[0-9a-f]{8}\.tmp")
 
 
 @dataclass
@@ -79,7 +81,8 @@ def kill_resume_loop(launcher: Launcher, corpus: Path, run_dir: Path, *, steps: 
                 names = [OUR_TEMP.fullmatch(n) for n in os.listdir(ckpt_dir) if n not in stale]
             except FileNotFoundError:
                 return None
-            return "kill" if any(m and int(m.group(1)) >= target for m in names) else None
+            return "kill" if any(m and int(m.group(1) or m.group(2)) >= target
+                                 for m in names) else None
 
         what = wait_for(writing, timeout=120, poll=0)
         if what == "kill":
@@ -109,3 +112,23 @@ def _temp_ids(run_dir: Path, names: list[str]) -> set[tuple[str, int, int]]:
             continue
         out.add((name, st.st_ino, st.st_mtime_ns))
     return out
+
+
+def die_at(where: str, step: int) -> None:
+    """A Launcher hook: SIGKILL this process itself the moment a save of `step` reaches
+    `where` ("publish": every rank's DCP files are written, no manifest, not renamed;
+    "commit": the dense directory is in place, the commit file not yet written)."""
+    import signal
+
+    from moescale.train import dense_dcp, saving
+
+    module, name, index = (dense_dcp, "_publish", 2) if where == "publish" else \
+        (saving, "save_checkpoint", 1)                 # index: the step argument's
+    real = getattr(module, name)
+
+    def hooked(*args, **kwargs):
+        if args[index] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    setattr(module, name, hooked)

@@ -117,15 +117,22 @@ def test_offloaded_and_expert_parallel_runs_load_into_a_resident_gpt(corpus, res
 
 
 @pytest.mark.slow
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(corpus, tmp_path, capsys):
+@pytest.mark.parametrize("damaged", ["expert shard",
+                                     pytest.param("dense DCP file", marks=pytest.mark.slow)])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(corpus, tmp_path, capsys,
+                                                               damaged):
     run_dir = tmp_path / "run"
     train(corpus, run_dir, steps=4, every=2, keep_last=2, **GLU)
-    shard = next((run_dir / "checkpoints" / "expert-shards-00000004").rglob("*.safetensors"))
+    ckpt = run_dir / "checkpoints"
+    shard = next((ckpt / "expert-shards-00000004").rglob("*.safetensors")) \
+        if damaged == "expert shard" else next(ckpt.glob("dense-00000004-*/__0_0.distcp"))
     data = bytearray(shard.read_bytes())
     data[-8:] = bytes(8)
     shard.write_bytes(bytes(data))
     model, _ = moescale.load_run(run_dir)
-    assert "trying the previous checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "trying the previous checkpoint" in err
+    assert damaged == "expert shard" or f"{str(shard)!r} failed its checksum" in err
     previous, _ = moescale.load_run(run_dir, step=2)
     assert torch.equal(logits(model), logits(previous))
     with pytest.raises(ValueError):

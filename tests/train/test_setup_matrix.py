@@ -35,10 +35,10 @@ import torch
 
 from moescale.train.assembly import check_parts
 from moescale.shared_store.node_store import shm_directory
-from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.launch import train_distributed
-from train_helpers import TINY, assert_same_run, resume_copy, run_records, train_run
+from train_helpers import (TINY, assert_same_run, checkpoint_tensors, resume_copy, run_records,
+                           train_run)
 
 pytestmark = pytest.mark.slow
 
@@ -113,8 +113,8 @@ def _check_outputs(run_dir, ref_dir, exchange: str, residency: str) -> None:
     ranks = 1 if exchange == "single" else 2
     assert summary["world_size"] == ranks and summary["placement"] == \
         ("dynamic" if exchange == "dynamic" else "static")
-    tensors, state = load_checkpoint(checkpoint_path(run_dir / "checkpoints", STEPS))
-    one_tensors, one_state = load_checkpoint(checkpoint_path(ref_dir / "checkpoints", STEPS))
+    tensors, state = checkpoint_tensors(run_dir, STEPS)
+    one_tensors, one_state = checkpoint_tensors(ref_dir, STEPS)
     assert tensors.keys() == one_tensors.keys() and state["step"] == STEPS
     assert not any("experts." in k for k in tensors)       # the experts are in the shards
     dense = ("model.", "optim.") if residency == "resident" else ("model.",)

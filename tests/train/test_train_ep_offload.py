@@ -23,10 +23,9 @@ import pytest
 import torch
 
 from moescale.train.launch import train_distributed
-from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, as_argv, tiny_run_config
+from train_helpers import TINY, as_argv, checkpoint_tensors, tiny_run_config
 from warm_runner import run_warm_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -99,8 +98,8 @@ def test_disk_offloaded_shards_train_like_one_process_under_torchrun(corpus, sin
         files = list((run_dir / "expert-store" / f"rank{rank}").rglob("expert*.bin"))
         assert len(files) == 2 * 2, files          # 2 MoE layers x 2 local experts
     # the checkpoint's dense half (experts left out) is the single-process one
-    ep_tensors, ep_state = load_checkpoint(checkpoint_path(run_dir / "checkpoints", STEPS))
-    one_tensors, _ = load_checkpoint(checkpoint_path(single / "checkpoints", STEPS))
+    ep_tensors, ep_state = checkpoint_tensors(run_dir, STEPS)
+    one_tensors, _ = checkpoint_tensors(single, STEPS)
     assert ep_tensors.keys() == one_tensors.keys() and ep_state["step"] == STEPS
     assert not any("experts." in k for k in ep_tensors)
     for key in one_tensors:

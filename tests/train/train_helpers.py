@@ -50,18 +50,31 @@ def moescale_cmd(*args: str) -> list[str]:
 
 def resume_copy(src, dst, step: int):
     """A copy of run directory `src` at `dst` whose only checkpoint is the one of `step` (its
-    dense file and its expert shards)."""
+    commit file, its dense directory and its expert shards)."""
     import shutil
     from pathlib import Path
 
-    from moescale.train.checkpoint import checkpoint_path
+    from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 
     shutil.copytree(src, dst)
-    keep = {checkpoint_path(dst, step).name, f"expert-shards-{step:08d}"}
+    commit = checkpoint_path(Path(dst) / "checkpoints", step)
+    keep = {commit.name, f"expert-shards-{step:08d}",
+            (load_checkpoint(commit)[1].get("dense") or {}).get("dir")}
     for entry in (Path(dst) / "checkpoints").iterdir():
         if entry.name not in keep:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     return Path(dst)
+
+
+def checkpoint_tensors(run_dir, step: int):
+    """(every tensor of a run's checkpoint of `step`: the commit file's and its dense half's,
+    whole; its JSON state)."""
+    from moescale.train.checkpoint import checkpoint_path, load_checkpoint
+    from moescale.train.dense_dcp import consolidated
+
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    tensors, state = load_checkpoint(checkpoint_path(ckpt_dir, step))
+    return dict(tensors, **consolidated(ckpt_dir, state["dense"])), state
 
 
 def run_records(run_dir) -> list[dict]:
