@@ -58,10 +58,10 @@ def _model(args: dict, groups, mode: str):
     from moescale.train.optim import build_optimizer
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=args["vocab"], seq_len=args["seq"],
-                          n_layers=args["layers"], d_model=args["d_model"],
-                          n_heads=args["d_model"] // 64, d_ff=args["d_ff"],
-                          num_experts=2 * groups.world_size, top_k=2))
+    model = GPT(GPTConfig.from_flat(vocab_size=args["vocab"], seq_len=args["seq"],
+                                    n_layers=args["layers"], d_model=args["d_model"],
+                                    n_heads=args["d_model"] // 64, d_ff=args["d_ff"],
+                                    num_experts=2 * groups.world_size, top_k=2))
     expert_parallel_model(model, groups)
     if mode == "shard":
         shard_dense(model, dense_mesh(groups.world_size, groups.ep_size))

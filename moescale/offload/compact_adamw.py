@@ -1,7 +1,7 @@
 """One expert's AdamW on compact state (state_format.py), as the host optimizer's workers run it.
 
-With int8 moments the update is moescale's own AdamW, defined by `adamw_reference` (torch ops,
-every operation rounded on its own, in this order):
+With int8 moments and the C loop built, the update is moescale's own AdamW, defined by
+`adamw_reference` (torch ops, every operation rounded on its own, in this order):
 
     p = p * (1 - lr wd)
     m = m * beta1 + g * (1 - beta1)
@@ -9,14 +9,17 @@ every operation rounded on its own, in this order):
     p = p - (m / (sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps)) * (lr / (1 - beta1^t))
 
 where sqrt is correctly rounded to fp32 (computed in double; torch's fp32 sqrt is not always),
-which is torch.optim.AdamW's formula (within an ulp or two of its fused kernel's rounding). Where
-a C compiler built codec_kernels.py, the same formula runs with the int8 decode and encode in
-one pass over each 256-number block (`adamw_int8`), bitwise `adamw_reference` on the decoded
-chunk followed by the codec's encode (tests/offload/test_codec_kernels.py): the several passes
-of decode, AdamW and encode over a chunk were two thirds of the compact step's CPU on a 2-core
-machine past RAM. Without the compiler the codec decodes chunk by chunk, `adamw_reference`
-steps, the codec encodes: the same numbers, slower. fp32 and bf16 moments keep torch's fused
-AdamW on the decoded chunks.
+which is torch.optim.AdamW's formula (within 1e-5 relative of its fused kernel's rounding:
+tests/offload/test_state_format.py). Where a C compiler built codec_kernels.py, an expert with
+int8 moments steps by this formula with the decode and encode in one pass over each 256-number
+block (`adamw_int8`), bitwise `step_reference` (decode, `adamw_reference`, encode:
+tests/offload/test_codec_kernels.py): the several passes of decode, AdamW and encode over a
+chunk were two thirds of the compact step's CPU, which bounded a 2-core machine's step past
+RAM. Without a compiler, and for fp32 and bf16 moments, the codec decodes chunk by chunk and
+torch's fused AdamW steps (`adamw_reference` in torch ops is twice as slow: a correctly
+rounded sqrt needs a pass in double). The two paths agree to rounding, not bitwise: a run
+resumes bitwise on a machine of the same kind; a checkpoint moved between a machine with a
+compiler and one without continues with differences of an ulp.
 
 Deliberately not here: the worker threads, fences and the step guard (optimizer.py), the record
 layout and the codes (state_format.py, int8_codes.py).
@@ -61,17 +64,13 @@ def step_compact(codec: StateCodec, rows: tuple[torch.Tensor, ...], grad_P: torc
     the callable running torch's AdamW on fp32 lists (fp32 and bf16 moments)."""
     master, exp_avg, exp_avg_sq = rows
     t = where[2]
-    if codec.fmt.moments != "int8":
+    if codec.fmt.moments != "int8" or codec.kernels is None:
         count_t = torch.zeros(())
         for lo, hi, master_C, exp_avg_C, exp_avg_sq_C in codec.chunks(*rows, numel, where):
             torch_adamw([master_C], [grad_P[lo:hi]], [exp_avg_C], [exp_avg_sq_C],
                         [count_t.fill_(t - 1)])
         return
     hp_8 = adamw_hparams(hp, t)
-    if codec.kernels is None:
-        for lo, hi, master_C, exp_avg_C, exp_avg_sq_C in codec.chunks(*rows, numel, where):
-            adamw_reference(master_C, grad_P[lo:hi], exp_avg_C, exp_avg_sq_C, hp_8)
-        return
     m_codes, m_scale = codec.int8_parts(exp_avg, numel, 0, numel)
     v_codes, v_scale = codec.int8_parts(exp_avg_sq, numel, 0, numel)
     for lo in range(0, numel, NOISE_NUMBERS):      # the rounding noise is read per part
@@ -81,3 +80,11 @@ def step_compact(codec: StateCodec, rows: tuple[torch.Tensor, ...], grad_P: torc
                                  (m_codes[lo:], m_scale[lo // BLOCK:]),
                                  (v_codes[lo:], v_scale[lo // BLOCK:]), hp_8)
 
+
+def step_reference(codec: StateCodec, rows: tuple[torch.Tensor, ...], grad_P: torch.Tensor,
+                   numel: int, where: tuple[int, int, int], hp: dict) -> None:
+    """What the C loop computes, in torch ops (for tests): decode chunk by chunk,
+    `adamw_reference`, encode."""
+    hp_8 = adamw_hparams(hp, where[2])
+    for lo, hi, master_C, exp_avg_C, exp_avg_sq_C in codec.chunks(*rows, numel, where):
+        adamw_reference(master_C, grad_P[lo:hi], exp_avg_C, exp_avg_sq_C, hp_8)

@@ -17,9 +17,10 @@ After it, each dense parameter is a DTensor holding its dim-0 shard; the optimiz
 the model keeps AdamW state only for those shards.
 
 `grad_square_sum` / `grad_max` give the dense gradients' part of a global norm with the
-sharded gradients reduced over their mesh (one all-reduce for all of them); `full_dense` and
-`shard_like` turn a sharded state tensor into the full one and back (the checkpoint's dense
-half is saved whole until it is written through torch.distributed.checkpoint).
+sharded gradients reduced over their mesh (one all-reduce for all of them); `shard_like` cuts
+a whole tensor into this rank's shard (a checkpoint of format 2, whose dense half was saved
+whole, resumed by a sharded run; format 3 goes through torch.distributed.checkpoint, which
+reads the shards itself: train/dense_dcp.py).
 
 Legend: W world size, P expert-parallel size.
 """
@@ -147,12 +148,6 @@ def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(coef.to(local.dtype))
-
-
-def full_dense(value):
-    """The whole tensor of a sharded (DTensor) state tensor; anything else as it is.
-    Collective for a DTensor: every rank of its mesh calls it, in the same order."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def shard_like(value: torch.Tensor, like) -> torch.Tensor:

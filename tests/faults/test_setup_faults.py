@@ -16,6 +16,8 @@ every one gave a traceback, a misleading exit or a silent wrong answer before.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from fault_helpers import losses, tiny_args
@@ -77,6 +79,8 @@ def test_garbage_metrics_and_another_models_checkpoint_do_not_block_resume(corpu
     capsys.readouterr()
     (run / "checkpoints" / "ckpt_00000006.safetensors").write_bytes(
         (other / "checkpoints" / "ckpt_00000006.safetensors").read_bytes())
+    for dense in (other / "checkpoints").glob("dense-00000006-*"):   # its DCP dense half too
+        shutil.copytree(dense, run / "checkpoints" / dense.name)
     with open(run / "metrics.jsonl", "ab") as f:
         f.write(b"\xff\xfe garbage \x00\n")
     assert main(["train", "--resume", str(run), "--train.steps", "6"]) == 0

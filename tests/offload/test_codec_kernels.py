@@ -8,7 +8,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from moescale.offload import codec_kernels
-from moescale.offload.compact_adamw import step_compact
+from moescale.offload.compact_adamw import step_compact, step_reference
 from moescale.offload.records import POS_EXP_AVG, POS_EXP_AVG_SQ, POS_MASTER
 from moescale.offload.state_format import NOISE_NUMBERS, RecordGeometry, StateCodec, StateFormat
 from test_state_format import awkward
@@ -59,8 +59,8 @@ def test_c_loops_are_bitwise_the_torch_ops(fmt, numel):
 @pytest.mark.parametrize("numel", [300, NOISE_NUMBERS + 3 * 256 + 5])
 def test_one_pass_int8_adamw_is_bitwise_its_reference(fmt, numel):
     """compact_adamw.step_compact with the C loop (decode, AdamW, encode per block) against
-    the codec's chunks and adamw_reference in torch ops, over 3 steps: every byte of the
-    record (an expert over one noise part, for a bf16 master's second part)."""
+    step_reference (the codec's chunks and adamw_reference in torch ops), over 3 steps: every
+    byte of the record (an expert over one noise part, for a bf16 master's second part)."""
     hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     records = []
     for kernels in (None, False):
@@ -73,7 +73,10 @@ def test_one_pass_int8_adamw_is_bitwise_its_reference(fmt, numel):
         for step in (1, 2, 3):
             grad = torch.randn(numel, generator=gen) * 10.0 ** -step
             grad[:256] = 0.0
-            step_compact(codec, rows, grad, numel, (0, 5, step), hp, None)
+            if kernels is None:
+                step_compact(codec, rows, grad, numel, (0, 5, step), hp, None)
+            else:
+                step_reference(codec, rows, grad, numel, (0, 5, step), hp)
         records.append(record)
     assert torch.equal(records[0], records[1])
 

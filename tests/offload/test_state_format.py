@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.optim.adamw import adamw
 
+from moescale.offload import codec_kernels
 from moescale.offload.compact_adamw import adamw_hparams, adamw_reference
 from moescale.offload.direct_io import align_up
 from moescale.offload.optimizer import AdamWConfig, HostOptimizer
@@ -147,10 +148,10 @@ def test_fp32_records_keep_the_earlier_layout():
 
 
 def test_compact_step_against_its_reference_on_the_decoded_state():
-    """The host optimizer's compact step = decode, the compact AdamW (compact_adamw.py:
-    `adamw_reference`), encode: the moments' codes are bitwise the quantiser's of the
-    reference's result, the master one of the two bf16 numbers around it (stochastic
-    rounding), over 4 steps."""
+    """The host optimizer's compact step = decode, AdamW, encode: the moments' codes are
+    bitwise the quantiser's of the update's result, the master one of the two bf16 numbers
+    around it (stochastic rounding), over 4 steps. The update: compact_adamw.adamw_reference
+    where the C loop is built, else torch's fused AdamW (compact_adamw.py)."""
     layout = ExpertLayout([("w", (8, 3 * BLOCK + 5))])
     numel = layout.numel
     store = ExpertStore(StoreConfig(tier="host", state=INT8))
@@ -163,7 +164,12 @@ def test_compact_step_against_its_reference_on_the_decoded_state():
         for step in range(1, 5):
             grad = torch.randn(numel, generator=gen) * 10.0 ** -step
             master, m, v = store.get_state((0, 1))
-            adamw_reference(master, grad.clone(), m, v, adamw_hparams(hp, step))
+            if codec_kernels.load() is not None:
+                adamw_reference(master, grad.clone(), m, v, adamw_hparams(hp, step))
+            else:
+                adamw([master], [grad.clone()], [m], [v], [], [torch.tensor(step - 1.0)],
+                      fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-2,
+                      weight_decay=0.1, eps=1e-8, maximize=False)
             opt.accumulate((0, 1), [grad.view(8, -1)], last=True)
             opt.wait_all()
             rec = store.acquire((0, 1))

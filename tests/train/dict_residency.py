@@ -34,12 +34,14 @@ import math
 from typing import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 from torch import nn
 
 from moescale.dispatch.protocol import (FFN_SHAPE, GRAD_TENSORS, GROUPED_WEIGHTS, SHARD,
                                         STATE_ACCESS, capabilities_of)
 from moescale.layers.moe import MoE
+from moescale.parallel.dense_shard import grad_square_sum
 
 Tensors = dict[str, torch.Tensor]
 
@@ -162,8 +164,10 @@ class DictStep:
         if g is not None and not self.replicated and g.ep_size > 1:   # disjoint shards
             dist.all_reduce(expert_sq, group=g.ep_group)
         dense = [p.grad for p in model.parameters() if p.grad is not None]
-        total = math.sqrt(float(expert_sq[0]) + sum(float(d.double().square().sum())
-                                                    for d in dense))
+        sharded = [d for d in dense if isinstance(d, DTensor)]   # parallel.dense shard: the
+        dense_sq = (float(grad_square_sum(sharded)) if sharded else 0.0) + sum(  # shards'
+            float(d.double().square().sum()) for d in dense if not isinstance(d, DTensor))
+        total = math.sqrt(float(expert_sq[0]) + dense_sq)    # squares summed over the mesh
         coef = min(1.0, max_norm / (total + 1e-6))
         if coef < 1.0:
             for grad in grads + dense:
