@@ -293,6 +293,15 @@ class OffloadEngine:
             finally:
                 self.store.release(key, grad_zero=True)
 
+    def borrow_masters(self, on: bool) -> None:
+        """Generation: let walks use the store's master rows in place (cache.py, Borrowing)
+        where that is what a copy would give exactly (a CPU device with no simulated copy
+        rate, fp32 masters computed in fp32); off: copies again."""
+        device = self.cache.device
+        self.cache.borrow = on and isinstance(device, SimulatedDevice) and \
+            device.bandwidth_bytes_per_s is None and self.store.format.master == "fp32" and \
+            self.cache.dtype == torch.float32
+
     @property
     def step_mode(self) -> str:
         return self.config.step_mode

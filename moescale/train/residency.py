@@ -214,7 +214,7 @@ class Offloaded:
 
     def _describe(self) -> tuple[str, str]:
         cfg, store = self.engine.config, self.engine.store
-        budget = self.engine.device.budget_bytes
+        budget = self.engine.device_budget_bytes
         itemsize = torch.empty((), dtype=self.engine.dtype).element_size()
         expert = max(lay.numel for lay in store.layouts) * itemsize
         where = {"host": "host RAM", "disk": f"disk ({cfg.directory}, host cache "

@@ -51,7 +51,6 @@ from pathlib import Path
 
 import torch
 
-from moescale.devices import SimulatedDevice
 from moescale.layers.moe import MoE
 from moescale.offload import OffloadConfig, offload_moe
 from moescale.offload.records import ALL, POS_MASTER, M
@@ -231,7 +230,7 @@ class HostGeneration:
             model, config, engine = load_run_offloaded(run_dir, step, device, offload)
             plan = state.get("plan")     # generation reads masters: slots of one master each
             engine.store.set_slot_rows(M, plan.host_cache if plan is not None else None)
-            engine.cache.borrow = can_borrow(engine)
+            engine.borrow_masters(True)
         except BaseException:
             if engine is not None:
                 engine.close()
@@ -269,30 +268,21 @@ class DiskGeneration(HostGeneration):
 GENERATION = {g.name: g for g in (ResidentGeneration(), HostGeneration(), DiskGeneration())}
 
 
-def can_borrow(engine) -> bool:
-    """Whether generation's walks may use the store's master rows in place (cache.py,
-    Borrowing): a CPU device with no simulated copy rate, fp32 masters computed in fp32
-    (where a copy would be an exact one)."""
-    device = engine.cache.device
-    return isinstance(device, SimulatedDevice) and device.bandwidth_bytes_per_s is None and \
-        engine.store.format.master == "fp32" and engine.cache.dtype == torch.float32
-
-
 @contextlib.contextmanager
 def generation_mode(engine):
     """While generating with a training run's engine (None: resident experts): its disk
     tier's host slots hold one master row each, not whole records (same bytes, about four
-    times the experts cached), and walks borrow the masters where `can_borrow`; as for
-    training again afterwards."""
+    times the experts cached), and walks borrow the masters where they can
+    (`engine.borrow_masters`); as for training again afterwards."""
     if engine is None:
         yield
         return
     engine.store.set_slot_rows(M)
-    engine.cache.borrow = can_borrow(engine)
+    engine.borrow_masters(True)
     try:
         yield
     finally:
-        engine.cache.borrow = False
+        engine.borrow_masters(False)
         engine.store.set_slot_rows(ALL)
 
 
