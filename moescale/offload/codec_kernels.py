@@ -17,8 +17,9 @@ same numbers with torch ops, only slower. AVX-512 and AVX2 paths use gathers and
 
 The source is compiled with the system's C compiler (`cc`, or $CC) for the machine it runs on
 (-march=native; -ffp-contract=off keeps every multiply and add separately rounded) into
-$XDG_CACHE_HOME/moescale/kernels (default ~/.cache), named by a hash of the source, the flags
-and the compiler's version, written atomically (a temporary name, then a rename), so parallel
+$XDG_CACHE_HOME/moescale/kernels (default ~/.cache), named by a hash of the source, the flags,
+the compiler's version and the CPU's feature flags (a home shared between hosts gets one build
+per kind of CPU), written atomically (a temporary name, then a rename), so parallel
 ranks compiling at once are harmless. No compiler, or a failed compile: `load()` returns None
 and the torch ops run. ctypes releases the GIL during each call, so the host optimizer's
 workers run in parallel.
@@ -226,6 +227,17 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
+def _cpu() -> str:
+    """What -march=native compiles for: the machine and its CPU's feature flags (so that a cache
+    directory shared between hosts, e.g. a home on NFS, never hands one CPU's build to another)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "moescale" / "kernels"
@@ -238,7 +250,7 @@ def _compile(cc: str) -> Path | None:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, version, platform.machine()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, version, _cpu()]).encode())
     target = _cache_dir() / f"codec-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -84,3 +84,15 @@ def test_one_pass_int8_adamw_is_bitwise_its_reference(fmt, numel):
 def test_exact_state_and_forced_torch_ops_take_no_kernels():
     assert StateCodec(StateFormat()).kernels is None
     assert StateCodec(FORMATS[0], kernels=False).kernels is None
+
+
+def test_the_build_is_keyed_by_this_cpu(monkeypatch, tmp_path):
+    """Another CPU's feature flags name another library: a cache shared between hosts never
+    loads a build for instructions this CPU lacks."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cc = codec_kernels._compiler()
+    first = codec_kernels._compile(cc)
+    monkeypatch.setattr(codec_kernels, "_cpu", lambda: "x86_64 another-cpu sse2")
+    other = codec_kernels._compile(cc)
+    assert first is not None and other is not None and first != other
+    assert first.parent == other.parent == tmp_path / "moescale" / "kernels"
