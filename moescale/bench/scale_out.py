@@ -202,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="JSON path (default: under runs/bench/; a path under "
                          "benchmarks/results updates the recorded result)")
     ns = ap.parse_args(argv)
-    if ns.d_model % 64 or ns.runs < 2 or ns.mem_steps < 1:
-        raise ValueError(f"--d-model={ns.d_model} must be a multiple of 64 (heads of 64), "
-                         f"--runs={ns.runs} >= 2 (the interval needs pairs), "
-                         f"--mem-steps={ns.mem_steps} >= 1")
+    wrong = [text for bad, text in (
+        (ns.d_model % 64, f"--d-model={ns.d_model} must be a multiple of 64 (heads of 64)"),
+        (ns.runs < 2, f"--runs={ns.runs} must be >= 2 (the interval needs pairs)"),
+        (ns.mem_steps < 1, f"--mem-steps={ns.mem_steps} must be >= 1")) if bad]
+    if wrong:
+        raise ValueError("; ".join(wrong))
     ranks = [int(n) for n in ns.ranks.split(",") if n]
     args = dict(d_model=ns.d_model, layers=ns.layers, vocab=ns.vocab, d_ff=ns.d_ff,
                 batch=ns.batch, seq=ns.seq, mem_steps=ns.mem_steps, runs=ns.runs,
