@@ -20,8 +20,15 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME"
                     "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS")
 
 
+def say(line: str) -> None:
+    """One line in one write(2) (atomic on a pipe below PIPE_BUF): the two ranks share the
+    launcher's stdout, and print() under PYTHONUNBUFFERED writes the text and its newline
+    apart, so two ranks' lines could interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 def main() -> None:
-    print("ENV " + json.dumps({k: os.environ.get(k) for k in LAUNCH_VARIABLES}), flush=True)
+    say("ENV " + json.dumps({k: os.environ.get(k) for k in LAUNCH_VARIABLES}))
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(MoE(8, 4, 2, d_ff=16), torch.nn.Tanh())
@@ -34,7 +41,7 @@ def main() -> None:
     allreduce_gradients(model, groups)
     err = (y - single(x)).abs().max().item()
     assert err < 1e-5, err
-    print(f"OK rank {groups.rank} of {groups.world_size} err {err:.2e}", flush=True)
+    say(f"OK rank {groups.rank} of {groups.world_size} err {err:.2e}")
     torch.distributed.destroy_process_group()
 
 
