@@ -75,8 +75,10 @@ def records_in_flight(state: StateFormat) -> int:
     smaller compact records as carry about the same bytes, at most four. Measured past RAM
     (`moescale bench offload-disk --past-ram 1.3`, 2-core machine, 1 GiB host cache): bf16 +
     int8 state 10.9 s per step with four in flight against 12.6 s with two (the disk was
-    busy 100% with two); fp32 state 27.1 s with two against 36.5 s with four (fp32 records of
-    100 MB, four each way, crowd the host cache)."""
+    busy 100% with two; separate runs minutes apart). fp32 keeps the two it always had: one
+    run with four took 36.5 s against 27.1 s with two before it, but the disk slowed that
+    hour (fp32 with two took 29.4-36.3 s in later runs), so four is not shown to be worse for
+    fp32, only not shown to be better."""
     fp32 = StateFormat().state_bytes_per_param()
     return max(2, min(4, round(2 * fp32 / state.state_bytes_per_param())))
 
