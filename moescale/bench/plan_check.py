@@ -168,8 +168,9 @@ def _disk_result_row(path: str, cfg: dict, res: dict, args) -> dict:
                                 disk_write_bytes_per_s=res["store_write_bytes_per_s"])
     cache = int(cfg.get("host_cache_gb", 1.0) * GIB)
     est = estimate(spec, Budgets(device_bytes=1 << 50, host_bytes=1 << 50, disk_bytes=1 << 50,
-                                 host_cache_bytes=cache), rates, "disk")
-    read, written = disk_traffic(spec, cache)
+                                 host_cache_bytes=cache), rates, "disk",
+                   step_mode=res.get("step_mode", "eager"))
+    read, written = disk_traffic(spec, cache, res.get("step_mode", "eager"))
     name = f"past RAM: {Path(path).name}" + ("" if fmt.exact else f" [{fmt.name}]")
     return dict(config=name, tier="disk", predicted_s=est.step_s,
                 measured_s=res["step_median_s"], times_s=res.get("step_times_s"),

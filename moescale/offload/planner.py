@@ -18,8 +18,9 @@ Step time (micro_batches x (forward + backward), then the optimizer), summed ove
   upload   = experts_used * 2 (forward + backward) * P * itemsize / h2d_bytes_per_s
   download = experts_used * P * itemsize / d2h_bytes_per_s   (gradients)
   adam     = E * P / adam_params_per_s                       (host AdamW over all experts)
-  disk     = read_bytes / disk_read + write_bytes / disk_write   (`disk_traffic`: one device
-             serves both)
+  disk     = read_bytes / disk_read + write_bytes / min(disk_write, disk_read)
+             (`disk_traffic`: one device serves both; sustained writes are charged no faster
+             than cold reads, see `disk_seconds`)
 (compute and transfers once per micro-batch, adam once per step). With overlap (a GPU) the
 step is max(compute, transfers, adam in eager mode) (the pipeline overlaps them) plus adam in
 deferred mode; on a CPU "device" (`Rates.overlap` False) copies and AdamW share the cores, so
@@ -35,7 +36,8 @@ direct I/O; every expert steps every iteration): the forward reads the
 master row of every used expert; the last backward reads master + two moments of every expert
 and writes them back (the gradient row is zero between steps and never moves); each extra
 micro-batch of accumulation adds a forward and a backward master read and the gradient row
-written then read back, for each used expert. A host cache of C record slots (`host_cache_bytes
+written then read back, for each used expert; deferred steps add the backward's master read
+and the gradient row written and read back, as an extra micro-batch does. A host cache of C record slots (`host_cache_bytes
 // 4 rows`) out of N = L E records saves nothing up to C = N/4, then 4 rows per slot up to
 N/2 (N rows saved), then 6 rows per slot up to C = N (all reads saved): the store's schedule
 (forward sweep, backward in reverse, Belady eviction), fitted to its measured bytes and checked
@@ -203,21 +205,39 @@ def cache_saved_rows(slots: int, records: int) -> float:
     return n + 6.0 * (slots - n / 2)
 
 
-def disk_traffic(m: ModelSpec, cache_bytes: int) -> tuple[int, int]:
-    """(bytes read, bytes written) per optimizer step by the disk tier, steady state."""
+def disk_traffic(m: ModelSpec, cache_bytes: int, step_mode: str = "eager") -> tuple[int, int]:
+    """(bytes read, bytes written) per optimizer step by the disk tier, steady state. Deferred
+    steps move what an extra micro-batch does: the backward reads the master again and leaves
+    the gradient row in the file, which the step reads back (measured against a real store:
+    tests/offload/test_planner.py)."""
     geo = m.geometry()
     master, state, grad = geo.strides[POS_MASTER], geo.offsets[POS_GRAD], geo.strides[POS_GRAD]
     records = m.moe_layers * m.num_experts
     used = m.moe_layers * min(m.num_experts, m.tokens * m.top_k)
-    extra = m.micro_batches - 1
+    extra = m.micro_batches - 1 + (step_mode == "deferred")
     # forward masters of every micro-batch; master + moments for the step; per extra
     # micro-batch a backward master read and the gradient row written, then read back
     read = m.micro_batches * used * master + records * state + extra * used * (master + grad)
     write = records * state + extra * used * grad
-    # the cache's saving was fitted in rows of fp32 records; a compact row is a third of the
-    # state rows (the rows the forward's cached masters and backward's reads share)
-    saved = cache_saved_rows(cache_bytes // geo.total, records) * state / 3
+    # the cache's saving was fitted in rows of fp32 records, 4 rows per slot where a record
+    # stays cached through a forward and its backward: the forward's master and the
+    # backward's master + moments, so an fp32 row stands for a quarter of (master + state)
+    saved = cache_saved_rows(cache_bytes // geo.total, records) * (master + state) / 4
     return int(max(read - saved, 0)), int(write)
+
+
+def disk_seconds(read: float, write: float, r: Rates) -> tuple[float, float]:
+    """(seconds of reads, seconds of writes) per step on the disk tier's device. Writes are
+    charged at the probed write rate, but never faster than the cold-read rate: the store
+    path's write probe (1 GiB over a file written just before) ran at 1.55-2.0x the cold read
+    here, but past RAM, with every byte of the steps' 20-58 GB at the device, a step moved
+    (read + written) / step time = 0.90-1.04x the cold-read probe in all three state formats,
+    and dd's fsynced direct writes ran at 0.8-0.9x its reads: a short write burst is absorbed by
+    the device's (or a virtual disk's host) cache and a sustained one is not. On a device
+    whose writes are slower than its reads (most SSDs) the write probe is the lower and is
+    used as it is."""
+    return read / r.disk_read_bytes_per_s, \
+        write / min(r.disk_write_bytes_per_s, r.disk_read_bytes_per_s)
 
 
 def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = "eager",
@@ -274,8 +294,8 @@ def estimate(m: ModelSpec, b: Budgets, r: Rates, mode: str, *, step_mode: str = 
             cache = b.host_cache_bytes if b.host_cache_bytes is not None else b.host_bytes // 2
             disk = L * E * m.geometry().total      # files hold all four rows
             host = min(cache, disk)
-            read, write = disk_traffic(m, cache)
-            read_s, write_s = read / r.disk_read_bytes_per_s, write / r.disk_write_bytes_per_s
+            read, write = disk_traffic(m, cache, step_mode)
+            read_s, write_s = disk_seconds(read, write, r)
             parts.update(disk_s=read_s + write_s, disk_read_bytes_per_step=read,
                          disk_write_bytes_per_step=write, disk_bytes_per_step=read + write)
             if deferred_overlap:        # max(compute, transfers, reads) + max(adam, writes)
