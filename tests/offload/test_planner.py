@@ -101,6 +101,29 @@ def test_moescale_plan_through_the_top_level_cli(capsys):
     assert "num_experts=0" in capsys.readouterr().err
 
 
+def _store_traffic(spec: ModelSpec, directory, cache: int, steps: int, **offload_kw):
+    """(bytes read, bytes written) of each of `steps` training steps of a real disk-tier
+    store holding `spec`'s experts (top-2, a 3-expert device budget), write-back flushed."""
+    import torch
+    from moescale.bench.offload import MoEStack, training_step
+    from moescale.offload import OffloadConfig, offload_moe
+    torch.manual_seed(0)
+    model = MoEStack(spec.moe_layers, spec.d_model, spec.d_ff, spec.num_experts, 2)
+    engine = offload_moe(model, OffloadConfig(tier="disk", directory=str(directory),
+                                              host_cache_bytes=cache, device="cpu",
+                                              device_budget_experts=3, **offload_kw))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine.follow(opt)
+    store, moved = engine.store, []
+    for _ in range(steps):
+        before = store.bytes_read, store.bytes_written
+        training_step(model, torch.randn(spec.tokens, spec.d_model), opt, engine)
+        store.flush()
+        moved.append((store.bytes_read - before[0], store.bytes_written - before[1]))
+    engine.close()
+    return moved
+
+
 @pytest.mark.parametrize("slots,saved", [(4, 0), (8, 16), (16, None)])
 def test_disk_traffic_counts_the_bytes_the_store_moves(tmp_path, slots, saved):
     """Steady-state steps of a real disk-tier store (2 layers x 8 experts, rows padded to
@@ -114,9 +137,6 @@ def test_disk_traffic_counts_the_bytes_the_store_moves(tmp_path, slots, saved):
     bytes, which the planner counts, are what some steady-state step moved exactly, that the
     steady steps' mean read is within 15% of them, and that no single step is more than 60%
     off (writes: 40%)."""
-    import torch
-    from moescale.bench.offload import MoEStack, training_step
-    from moescale.offload import OffloadConfig, offload_moe
     from moescale.offload.direct_io import align_up
     from moescale.offload.planner import cache_saved_rows, disk_traffic
     layers, d_model, d_ff, experts, tokens = 2, 48, 200, 8, 128
@@ -131,20 +151,7 @@ def test_disk_traffic_counts_the_bytes_the_store_moves(tmp_path, slots, saved):
     want_rows = 0 if saved is None else records + 3 * records - saved   # all 8 experts used
     assert read == want_rows * row
     assert cache_saved_rows(slots, records) == (float("inf") if saved is None else saved)
-    torch.manual_seed(0)
-    model = MoEStack(layers, d_model, d_ff, experts, 2)
-    engine = offload_moe(model, OffloadConfig(tier="disk", directory=str(tmp_path),
-                                              host_cache_bytes=cache, device="cpu",
-                                              device_budget_experts=3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine.follow(opt)
-    store, moved = engine.store, []
-    for _ in range(8):
-        before = store.bytes_read, store.bytes_written
-        training_step(model, torch.randn(tokens, d_model), opt, engine)
-        store.flush()
-        moved.append((store.bytes_read - before[0], store.bytes_written - before[1]))
-    engine.close()
+    moved = _store_traffic(spec, tmp_path, cache, 8)
     steady = moved[1:]                                    # the first step fills the cache
     assert read in [m[0] for m in steady], moved
     assert written in [m[1] for m in steady], moved
@@ -165,9 +172,6 @@ def test_deferred_disk_traffic_counts_the_gradient_rows(tmp_path, master, moment
     backward's masters, then master + moments + gradient for the step). Measured: bf16 +
     int8 within 1%; fp32 17% more, some records read twice when the step and the read-ahead
     compete for four slots."""
-    import torch
-    from moescale.bench.offload import MoEStack, training_step
-    from moescale.offload import OffloadConfig, offload_moe
     from moescale.offload.planner import disk_traffic
     layers, d_model, d_ff, experts, tokens = 2, 48, 200, 8, 128
     spec = ModelSpec(moe_layers=layers, d_model=d_model, d_ff=d_ff, num_experts=experts,
@@ -176,20 +180,8 @@ def test_deferred_disk_traffic_counts_the_gradient_rows(tmp_path, master, moment
     read, written = disk_traffic(spec, cache, "deferred")
     eager_read, eager_written = disk_traffic(spec, cache)
     assert read > eager_read and written > eager_written
-    torch.manual_seed(0)
-    model = MoEStack(layers, d_model, d_ff, experts, 2)
-    engine = offload_moe(model, OffloadConfig(
-        tier="disk", directory=str(tmp_path), host_cache_bytes=cache, device="cpu",
-        device_budget_experts=3, step_mode="deferred", master=master, moments=moments))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine.follow(opt)
-    store, moved = engine.store, []
-    for _ in range(5):
-        before = store.bytes_read, store.bytes_written
-        training_step(model, torch.randn(tokens, d_model), opt, engine)
-        store.flush()
-        moved.append((store.bytes_read - before[0], store.bytes_written - before[1]))
-    engine.close()
+    moved = _store_traffic(spec, tmp_path, cache, 5, step_mode="deferred", master=master,
+                           moments=moments)
     steady = moved[1:]
     for _, got_written in steady:   # exact when no gradient row stays cached to its step
         assert abs(got_written - written) <= 0.1 * written, moved
