@@ -14,7 +14,9 @@ the experts stay plain tensors, moved by the exchange and kept by the residency 
 host, disk, node store), their gradients reduced as before (`grad_sync.allreduce_gradients`
 skips the sharded ones: FSDP reduce-scatters them during backward, averaged over the mesh).
 After it, each dense parameter is a DTensor holding its dim-0 shard; the optimizer built on
-the model keeps AdamW state only for those shards.
+the model keeps AdamW state only for those shards. On CPU (gloo) each dense linear layer of a
+block is a unit of its own, nothing is prefetched and the reduce-scatter keeps no copy
+(`_cpu_memory`: what FSDP2's defaults hold there for an overlap CPU cannot have).
 
 `grad_square_sum` / `grad_max` give the dense gradients' part of a global norm with the
 sharded gradients reduced over their mesh (one all-reduce for all of them); `shard_like` cuts
