@@ -27,6 +27,8 @@ and the AdamW step.
     moescale bench scale-out [--d-model 768] [--layers 8] [--vocab 4096] [--d-ff 64] [--batch 2]
         [--seq 64] [--ranks 2,4] [--mem-steps 3] [--runs 15] [--warmup 2] [--out PATH]
 
+`--runs 0` measures the memory only (no step time: "step_time" null in the JSON).
+
 Writes runs/bench/<time>/scale_out_<hardware>.json (or --out) with the CPU flags and the
 load average before and after: on a shared 2-core machine both modes' ranks share the cores
 and the exchanges are loopback copies, so the step times are noisy (the interval says how).
@@ -184,6 +186,21 @@ def _memory(args: dict, ranks: list[int]) -> list[dict]:
     return rows
 
 
+def _write_memory_only(out: str | None, args: dict, memory: list[dict], load_before) -> int:
+    """`--runs 0`: the JSON of the memory measurement alone (step_time null)."""
+    ok = all(r["within_target"] for r in memory)
+    print(f"dense bytes per rank within 1/N + 10% of replicated at every N: {ok}")
+    tag = hardware_tag(torch.device("cpu"))
+    out = result_path(out, f"scale_out_memory_{tag}.json")
+    write_json(out, dict(benchmark="scale-out", hardware=tag, cpu_flags=cpu_flags(),
+                         load_average_1_5_15min=dict(before=load_before,
+                                                     after=os.getloadavg()),
+                         config=args, torch_threads_per_rank=1, memory=memory,
+                         step_time=None, dense_within_target=ok))
+    print(f"wrote {out}")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="moescale bench scale-out",
                                  description=__doc__.split("\n")[0])
@@ -196,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--ranks", default="2,4", help="world sizes of the memory measurement")
     ap.add_argument("--mem-steps", type=int, default=3, help="steps per memory measurement")
-    ap.add_argument("--runs", type=int, default=15, help="timed interleaved repetitions")
+    ap.add_argument("--runs", type=int, default=15,
+                    help="timed interleaved repetitions (0: the memory only)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     ap.add_argument("--out", default=None,
                     help="JSON path (default: under runs/bench/; a path under "
@@ -204,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     wrong = [text for bad, text in (
         (ns.d_model % 64, f"--d-model={ns.d_model} must be a multiple of 64 (heads of 64)"),
-        (ns.runs < 2, f"--runs={ns.runs} must be >= 2 (the interval needs pairs)"),
+        (ns.runs == 1 or ns.runs < 0,
+         f"--runs={ns.runs} must be >= 2 (the interval needs pairs) or 0 (memory only)"),
         (ns.mem_steps < 1, f"--mem-steps={ns.mem_steps} must be >= 1")) if bad]
     if wrong:
         raise ValueError("; ".join(wrong))
@@ -214,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=ns.warmup)
     load_before = os.getloadavg()   # the machine is shared: how busy it was
     memory = _memory(args, ranks)
+    if not ns.runs:
+        return _write_memory_only(ns.out, args, memory, load_before)
     times = run_local(_time_rank, 2, (args,), timeout_s=600, deadline_s=3000)[0].value
     interval = paired_ratio(times["shard"], times["replicate"])
     medians = {m: statistics.median(t) for m, t in times.items()}

@@ -14,7 +14,9 @@ the experts stay plain tensors, moved by the exchange and kept by the residency 
 host, disk, node store), their gradients reduced as before (`grad_sync.allreduce_gradients`
 skips the sharded ones: FSDP reduce-scatters them during backward, averaged over the mesh).
 After it, each dense parameter is a DTensor holding its dim-0 shard; the optimizer built on
-the model keeps AdamW state only for those shards.
+the model keeps AdamW state only for those shards. On CPU (gloo) each dense linear layer of a
+block is a unit of its own, nothing is prefetched and the reduce-scatter keeps no copy
+(`_cpu_memory`: what FSDP2's defaults hold there for an overlap CPU cannot have).
 
 `grad_square_sum` / `grad_max` give the dense gradients' part of a global norm with the
 sharded gradients reduced over their mesh (one all-reduce for all of them); `shard_like` cuts
@@ -85,16 +87,77 @@ def shard_dense(model: nn.Module, mesh) -> None:
     """fully_shard each transformer block, then the root, experts ignored (module docstring).
     The blocks free their gathered parameters after forward (gathered again for backward);
     the root keeps its own (embeddings, final norm, head) until backward, which needs them at
-    once. `forward_cached` (generation) gathers like `forward`."""
+    once. `forward_cached` (generation) gathers like `forward`. On CPU, `_cpu_memory` below."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     ignored = expert_params(model)
+    cpu = mesh.device_type == "cpu"
+    units = []
     for block in getattr(model, "blocks", ()):
+        for linear in _block_linears(block, ignored) if cpu else ():
+            fully_shard(linear, mesh=mesh, reshard_after_forward=True)
+            units.append(linear)
         fully_shard(block, mesh=mesh, reshard_after_forward=True,
                     ignored_params=ignored & set(block.parameters()))
+        units.append(block)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+    units.append(model)
+    if cpu:
+        _cpu_memory(units)
     if hasattr(model, "forward_cached"):
         register_fsdp_forward_method(model, "forward_cached")
+
+
+def _block_linears(block: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
+    """The block's dense linear layers (attention's qkv and output projection, a dense FFN's
+    matrices), each its own FSDP unit on CPU: a unit is gathered whole (and its gradient
+    reduce-scattered whole) through a second buffer of its size, so the transient is twice the
+    largest unit's parameters, not twice the block's (`_cpu_memory`)."""
+    return [m for m in block.modules() if isinstance(m, nn.Linear)
+            and not any(p in ignored for p in m.parameters())]
+
+
+def _cpu_memory(units: list[nn.Module]) -> None:
+    """What FSDP2 holds on CPU (gloo) that it does not need there, measured at d_model 1536 on
+    4 ranks (docs/scale_out.md, "Memory per rank"): one block's gathered parameters each.
+
+    - No backward prefetch: by default each unit's backward gathers the next one's parameters
+      ahead, to overlap the gather with compute on another CUDA stream; on CPU there is one
+      stream, so the prefetch overlaps nothing and only holds a second gathered block. A unit
+      told to prefetch itself prefetches nothing (it is gathered already when asked).
+    - The reduce-scatter as gloo runs it, without its copies (`_GlooReduceScatter`)."""
+    comm = _gloo_reduce_scatter()
+    for unit in units:
+        unit.set_modules_to_backward_prefetch([unit])
+        if comm is not None and hasattr(unit, "set_custom_reduce_scatter"):
+            unit.set_custom_reduce_scatter(comm)
+
+
+def _gloo_reduce_scatter():
+    """FSDP's reduce-scatter for gloo: an all-reduce of FSDP's own input buffer in place and
+    this rank's chunk copied out, then the buffer's memory released. Gloo's reduce-scatter is
+    that same all-reduce, but of a copy of the input (ProcessGroupGloo
+    reduce_scatter_tensor_coalesced), and the copy outlives the call until the next collective
+    replaces it, while FSDP keeps its input until the next unit's reduce-scatter: two unsharded
+    gradient buffers of a block alive after each reduce-scatter instead of none. The same
+    all-reduce of the same bytes, so the same result bit for bit. None when this torch has no
+    pluggable reduce-scatter (its default is then used)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:
+        return None
+
+    class _GlooReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            dist.all_reduce(input_tensor, op=op, group=group)      # synchronous on gloo
+            output_tensor.copy_(input_tensor.chunk(group.size())[group.rank()])
+            input_tensor.untyped_storage().resize_(0)     # FSDP only keeps it alive
+            return None
+
+    return _GlooReduceScatter()
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -40,3 +40,20 @@ def test_scale_out_measures_both_modes_and_writes_its_json(tmp_path):
 def test_scale_out_refuses_a_width_that_is_not_a_multiple_of_64():
     with pytest.raises(ValueError, match="--d-model=100 must be a multiple of 64"):
         cli.main(["scale-out", "--d-model", "100"])
+
+
+def test_scale_out_runs_0_measures_the_memory_only(tmp_path):
+    out = tmp_path / "scale_out_memory.json"
+    code = cli.main(["scale-out", "--d-model", "64", "--layers", "2", "--vocab", "256",
+                     "--d-ff", "32", "--batch", "1", "--seq", "16", "--ranks", "2",
+                     "--mem-steps", "1", "--runs", "0", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert {(r["ranks"], r["mode"]) for r in report["memory"]} == {(2, "replicate"),
+                                                                    (2, "shard")}
+    assert report["step_time"] is None and report["dense_within_target"] and code == 0
+
+
+def test_scale_out_refuses_one_timed_run():
+    with pytest.raises(ValueError, match=r"--runs=1 must be >= 2 \(the interval needs pairs\) "
+                                         r"or 0 \(memory only\)"):
+        cli.main(["scale-out", "--runs", "1"])
