@@ -270,6 +270,6 @@ def main(argv: list[str] | None = None) -> int:
                                         load_average_before=load_timing,
                                         interval="95% t-interval of the paired "
                                                  "per-repetition log-ratios (geometric mean)"),
-                         dense_within_target=ok))
+                         dense_within_target=ok if memory else None))
     print(f"wrote {out}")
     return 0 if ok else 1
