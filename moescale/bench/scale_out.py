@@ -23,12 +23,13 @@ ddp / replicated are the geometric means of the paired ratios with their 95% t-i
 One step = forward + backward of `--batch` sequences of `--seq` tokens per rank, the gradient
 sync (replicated: the coalesced all-reduce after backward; sharded: FSDP's reduce-scatter
 during backward; ddp: DDP's bucketed all-reduce during backward, parallel/dense_ddp.py, with
-`--ddp-bucket-mb`, `--ddp-grad-view`, `--ddp-static-graph` as its knobs), global-norm
+`--ddp-bucket-mb`, `--[no-]ddp-grad-view`, `--ddp-static-graph` as its knobs; the defaults
+are the trainer's, dense_ddp.DDPOptions), global-norm
 clipping and the AdamW step. `--ranks ''` measures the step time only.
 
     moescale bench scale-out [--d-model 768] [--layers 8] [--vocab 4096] [--d-ff 64] [--batch 2]
         [--seq 64] [--ranks 2,4] [--mem-steps 3] [--runs 15] [--warmup 2] [--out PATH]
-        [--ddp-bucket-mb 25] [--ddp-grad-view] [--ddp-static-graph]
+        [--ddp-bucket-mb 25] [--no-ddp-grad-view] [--ddp-static-graph]
 
 Writes runs/bench/<time>/scale_out_<hardware>.json (or --out) with the CPU flags and the
 load average before and after: on a shared 2-core machine both modes' ranks share the cores
@@ -80,7 +81,7 @@ def _ddp(model, groups, args: dict):
 
     return wrap_dense_ddp(model, groups, DDPOptions(
         bucket_cap_mb=args.get("ddp_bucket_mb", 25.0),
-        gradient_as_bucket_view=args.get("ddp_grad_view", False),
+        gradient_as_bucket_view=args.get("ddp_grad_view", True),
         static_graph=args.get("ddp_static_graph", False)))
 
 
@@ -223,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     ap.add_argument("--ddp-bucket-mb", type=float, default=25.0,
                     help="step time's ddp mode: DDP's bucket_cap_mb")
-    ap.add_argument("--ddp-grad-view", action="store_true",
-                    help="step time's ddp mode: DDP's gradient_as_bucket_view")
+    ap.add_argument("--ddp-grad-view", action=argparse.BooleanOptionalAction, default=True,
+                    help="step time's ddp mode: DDP's gradient_as_bucket_view (the trainer's)")
     ap.add_argument("--ddp-static-graph", action="store_true",
                     help="step time's ddp mode: DDP's static_graph")
     ap.add_argument("--out", default=None,

@@ -4,7 +4,8 @@ On 2 gloo ranks, the tiny GPT with its experts split (expert parallelism) is tra
 side by side: once wrapped in DDP (experts ignored, the dense gradients all-reduced in buckets
 during backward, the expert gradients by `allreduce_gradients(..., replicated=False)`), once
 with the hand-written coalesced all-reduce after backward; with gradient accumulation over 2
-micro-batches (DDP's no_sync on the first), a live global-norm clip and AdamW. Step after step
+micro-batches (DDP's no_sync on the first), a live global-norm clip and AdamW; one bucket or
+one per few parameters, the gradients views into the buckets (the trainer's) or copies. Step after step
 both compute the single-process model's loss and global norm and, after the step, hold its
 parameters; the DDP model's and the hand-written one's dense gradients agree to fp32 rounding.
 DDP really ignores the experts (its parameters are the dense ones only) and the inner module's
@@ -22,7 +23,7 @@ from moescale.parallel.launch import run_local
 STEPS, MICRO = 4, 2
 
 
-def _train_worker(rank: int, world: int, bucket_mb: float):
+def _train_worker(rank: int, world: int, bucket_mb: float, view: bool):
     import copy
 
     from moescale.models import gpt_config
@@ -37,7 +38,8 @@ def _train_worker(rank: int, world: int, bucket_mb: float):
     single = GPT(gpt_config("tiny"))
     by_hand = expert_parallel_model(copy.deepcopy(single), groups)
     inner = expert_parallel_model(copy.deepcopy(single), groups)
-    ddp = wrap_dense_ddp(inner, groups, DDPOptions(bucket_cap_mb=bucket_mb))
+    ddp = wrap_dense_ddp(inner, groups, DDPOptions(bucket_cap_mb=bucket_mb,
+                                                   gradient_as_bucket_view=view))
     dense = {id(p) for p in inner.parameters() if not is_expert_parameter(p)}
     assert {id(p) for p in ddp._module_parameters} == dense      # what DDP reduces
     assert ddp.parameters_to_ignore and all(".experts." in n for n in ddp.parameters_to_ignore)
@@ -84,9 +86,10 @@ def _train_worker(rank: int, world: int, bucket_mb: float):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("bucket_mb", [25.0, 0.01])    # one bucket; one per few parameters
-def test_ddp_trains_like_the_hand_written_all_reduce_and_one_process(bucket_mb):
-    ranks = [r.value for r in run_local(_train_worker, 2, (bucket_mb,), timeout_s=30,
+@pytest.mark.parametrize("bucket_mb,view", [(25.0, True), (0.01, True), (25.0, False)])
+def test_ddp_trains_like_the_hand_written_all_reduce_and_one_process(bucket_mb, view):
+    """One bucket, one per few parameters; gradients as views into the buckets or copied."""
+    ranks = [r.value for r in run_local(_train_worker, 2, (bucket_mb, view), timeout_s=30,
                                         deadline_s=110)]
     for steps in zip(*ranks):
         losses = [s[0] for s in steps]     # each rank's loss is its rows'
