@@ -16,16 +16,20 @@ which holds the unsharded rest too (this rank's resident experts with their grad
 AdamW state, activations, the replicated mode's all-reduce buffer). The target: dense bytes
 sharded <= (1/N + 10%) of replicated.
 
-Step time: 2 ranks holding both a sharded and a replicated copy of the model, stepped
-alternately (`--runs` interleaved repetitions after `--warmup`, the order rotated, a barrier
-before each, a sample is the slower rank's time); the ratio sharded / replicated is the
-geometric mean of the paired ratios with its 95% t-interval. One step = forward + backward
-of `--batch` sequences of `--seq` tokens per rank, the gradient sync (replicated: the
-coalesced all-reduce; sharded: FSDP's reduce-scatter during backward), global-norm clipping
-and the AdamW step.
+Step time: 2 ranks holding three copies of the model, a sharded, a replicated and a DDP one,
+stepped in turn (`--runs` interleaved repetitions after `--warmup`, the order rotated, a
+barrier before each, a sample is the slower rank's time); the ratios sharded / replicated and
+ddp / replicated are the geometric means of the paired ratios with their 95% t-intervals.
+One step = forward + backward of `--batch` sequences of `--seq` tokens per rank, the gradient
+sync (replicated: the coalesced all-reduce after backward; sharded: FSDP's reduce-scatter
+during backward; ddp: DDP's bucketed all-reduce during backward, parallel/dense_ddp.py, with
+`--ddp-bucket-mb`, `--[no-]ddp-grad-view`, `--ddp-static-graph` as its knobs; the defaults
+are the trainer's, dense_ddp.DDPOptions), global-norm
+clipping and the AdamW step. `--ranks ''` measures the step time only.
 
     moescale bench scale-out [--d-model 768] [--layers 8] [--vocab 4096] [--d-ff 64] [--batch 2]
         [--seq 64] [--ranks 2,4] [--mem-steps 3] [--runs 15] [--warmup 2] [--out PATH]
+        [--ddp-bucket-mb 25] [--no-ddp-grad-view] [--ddp-static-graph]
 
 `--runs 0` measures the memory only (no step time: "step_time" null in the JSON).
 
@@ -49,6 +53,7 @@ from moescale.bench.stats import paired_ratio
 from moescale.parallel.launch import run_local
 
 MODES = ("replicate", "shard")
+STEP_MODES = MODES + ("ddp",)     # step time: the replicated dense half averaged by DDP too
 
 
 def _model(args: dict, groups, mode: str):
@@ -67,15 +72,33 @@ def _model(args: dict, groups, mode: str):
     expert_parallel_model(model, groups)
     if mode == "shard":
         shard_dense(model, dense_mesh(groups.world_size, groups.ep_size))
-    return model, build_optimizer(model, OptimSection())
+    optimizer = build_optimizer(model, OptimSection())
+    if mode == "ddp":    # forward and backward through the wrapper; the rest on the model
+        return _ddp(model, groups, args), optimizer
+    return model, optimizer
+
+
+def _ddp(model, groups, args: dict):
+    from moescale.parallel.dense_ddp import DDPOptions, wrap_dense_ddp
+
+    return wrap_dense_ddp(model, groups, DDPOptions(
+        bucket_cap_mb=args.get("ddp_bucket_mb", 25.0),
+        gradient_as_bucket_view=args.get("ddp_grad_view", True),
+        static_graph=args.get("ddp_static_graph", False)))
 
 
 def _step(model, optimizer, groups, idx_BS, tgt_BS) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
     from moescale.parallel.grad_sync import allreduce_gradients, clip_grad_norm_
 
     optimizer.zero_grad(set_to_none=True)
     model(idx_BS, tgt_BS)[1].backward()
-    allreduce_gradients(model, groups)
+    if isinstance(model, DistributedDataParallel):   # DDP averaged the dense grads already
+        model = model.module
+        allreduce_gradients(model, groups, replicated=False)
+    else:
+        allreduce_gradients(model, groups)
     clip_grad_norm_(model, 1.0, groups)
     optimizer.step()
 
@@ -136,19 +159,19 @@ def _time_rank(rank: int, world: int, args: dict) -> dict:
 
     groups = build_groups(ParallelConfig(backend="gloo", timeout_s=600))
     torch.set_num_threads(1)
-    models = {mode: _model(args, groups, mode) for mode in MODES}
-    samples = {mode: [] for mode in MODES}
+    models = {mode: _model(args, groups, mode) for mode in STEP_MODES}
+    samples = {mode: [] for mode in STEP_MODES}
     for rep in range(args["warmup"] + args["runs"]):
-        order = MODES if rep % 2 == 0 else MODES[::-1]
-        for mode in order:
+        shift = rep % len(STEP_MODES)    # each mode in each position of the round alike
+        for mode in STEP_MODES[shift:] + STEP_MODES[:shift]:
             dist.barrier()
             start = time.perf_counter()
             _step(*models[mode], groups, *_batch(args, rank, rep))
             if rep >= args["warmup"]:
                 samples[mode].append(time.perf_counter() - start)
-    times = torch.tensor([samples[m] for m in MODES], dtype=torch.float64)
+    times = torch.tensor([samples[m] for m in STEP_MODES], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {m: row for m, row in zip(MODES, times.tolist())}
+    return {m: row for m, row in zip(STEP_MODES, times.tolist())}
 
 
 def _growth(rank: dict) -> int:
@@ -211,11 +234,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="expert hidden width (small: the resident set is mostly the dense half)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    ap.add_argument("--ranks", default="2,4", help="world sizes of the memory measurement")
+    ap.add_argument("--ranks", default="2,4",
+                    help="world sizes of the memory measurement ('': step time only)")
     ap.add_argument("--mem-steps", type=int, default=3, help="steps per memory measurement")
     ap.add_argument("--runs", type=int, default=15,
                     help="timed interleaved repetitions (0: the memory only)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    ap.add_argument("--ddp-bucket-mb", type=float, default=25.0,
+                    help="step time's ddp mode: DDP's bucket_cap_mb")
+    ap.add_argument("--ddp-grad-view", action=argparse.BooleanOptionalAction, default=True,
+                    help="step time's ddp mode: DDP's gradient_as_bucket_view (the trainer's)")
+    ap.add_argument("--ddp-static-graph", action="store_true",
+                    help="step time's ddp mode: DDP's static_graph")
     ap.add_argument("--out", default=None,
                     help="JSON path (default: under runs/bench/; a path under "
                          "benchmarks/results updates the recorded result)")
@@ -224,25 +254,34 @@ def main(argv: list[str] | None = None) -> int:
         (ns.d_model % 64, f"--d-model={ns.d_model} must be a multiple of 64 (heads of 64)"),
         (ns.runs == 1 or ns.runs < 0,
          f"--runs={ns.runs} must be >= 2 (the interval needs pairs) or 0 (memory only)"),
-        (ns.mem_steps < 1, f"--mem-steps={ns.mem_steps} must be >= 1")) if bad]
+        (ns.mem_steps < 1, f"--mem-steps={ns.mem_steps} must be >= 1"),
+        (not ns.ddp_bucket_mb > 0, f"--ddp-bucket-mb={ns.ddp_bucket_mb} must be > 0"),
+        (ns.runs == 0 and not ns.ranks.strip(",").strip(),
+         "--runs 0 with --ranks '' measures nothing: give world sizes or runs")) if bad]
     if wrong:
         raise ValueError("; ".join(wrong))
     ranks = [int(n) for n in ns.ranks.split(",") if n]
     args = dict(d_model=ns.d_model, layers=ns.layers, vocab=ns.vocab, d_ff=ns.d_ff,
                 batch=ns.batch, seq=ns.seq, mem_steps=ns.mem_steps, runs=ns.runs,
-                warmup=ns.warmup)
+                warmup=ns.warmup, ddp_bucket_mb=ns.ddp_bucket_mb, ddp_grad_view=ns.ddp_grad_view,
+                ddp_static_graph=ns.ddp_static_graph)
     load_before = os.getloadavg()   # the machine is shared: how busy it was
-    memory = _memory(args, ranks)
+    memory = _memory(args, ranks) if ranks else []
     if not ns.runs:
         return _write_memory_only(ns.out, args, memory, load_before)
+    load_timing = os.getloadavg()
     times = run_local(_time_rank, 2, (args,), timeout_s=600, deadline_s=3000)[0].value
     interval = paired_ratio(times["shard"], times["replicate"])
+    ddp = paired_ratio(times["ddp"], times["replicate"])
     medians = {m: statistics.median(t) for m, t in times.items()}
     print(f"step time on 2 ranks: replicated {1e3 * medians['replicate']:.1f} ms, sharded "
-          f"{1e3 * medians['shard']:.1f} ms (medians of {ns.runs}); sharded / replicated "
-          f"{interval}")
+          f"{1e3 * medians['shard']:.1f} ms, ddp {1e3 * medians['ddp']:.1f} ms (medians of "
+          f"{ns.runs}); sharded / replicated {interval}; ddp / replicated {ddp}")
+    print(f"load average (1, 5, 15 min) before the step times {load_timing}, after "
+          f"{os.getloadavg()}")
     ok = all(r["within_target"] for r in memory)
-    print(f"dense bytes per rank within 1/N + 10% of replicated at every N: {ok}")
+    if memory:
+        print(f"dense bytes per rank within 1/N + 10% of replicated at every N: {ok}")
     tag = hardware_tag(torch.device("cpu"))
     out = result_path(ns.out, f"scale_out_{tag}.json")
     write_json(out, dict(benchmark="scale-out", hardware=tag, cpu_flags=cpu_flags(),
@@ -251,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                          config=args, torch_threads_per_rank=1, memory=memory,
                          step_time=dict(ranks=2, times_s=times, median_s=medians,
                                         ratio_shard_to_replicate=interval.as_dict(),
+                                        ratio_ddp_to_replicate=ddp.as_dict(),
+                                        load_average_before=load_timing,
                                         interval="95% t-interval of the paired "
                                                  "per-repetition log-ratios (geometric mean)"),
-                         dense_within_target=ok))
+                         dense_within_target=ok if memory else None))
     print(f"wrote {out}")
     return 0 if ok else 1

@@ -14,9 +14,11 @@ ranks; `global_mean_weight` handles unequal counts). Then:
 `expert_parameters(model)` as `ignored_states`). `clip_grad_norm_` clips by the global norm:
 replicated gradients counted once, expert gradients summed over the EP group.
 
-It does not overlap reduction with backward (DDP does that for the replicated part when used)
-and does not shard optimizer state; `parallel.dense shard` does both for the dense half
-(dense_shard.py: FSDP2), and the functions here then skip or reduce its DTensor gradients.
+`allreduce_gradients` does not overlap reduction with backward and does not shard optimizer
+state. The trainer's replicated dense half goes through DDP instead (dense_ddp.py: bucketed,
+overlapped with backward; then `replicated=False` here reduces the experts only);
+`parallel.dense shard` shards it (dense_shard.py: FSDP2), and the functions here then skip or
+reduce its DTensor gradients.
 """
 
 from __future__ import annotations
@@ -69,13 +71,16 @@ def _average(params: list[nn.Parameter], group, size: int, what: str) -> None:
             offset += g.numel()
 
 
-def allreduce_gradients(model: nn.Module, groups: ParallelGroups) -> None:
+def allreduce_gradients(model: nn.Module, groups: ParallelGroups,
+                        replicated: bool = True) -> None:
     """Average replicated grads over the world and expert grads over the shard's DP group.
     Sharded dense parameters (DTensors: parallel.dense shard) are left alone: FSDP
-    reduce-scattered their gradients during backward."""
-    replicated = [p for p in replicated_parameters(model) if not isinstance(p, DTensor)]
-    _average(replicated, groups.world_group, groups.world_size,
-             "replicated-gradient all-reduce")
+    reduce-scattered their gradients during backward. `replicated=False`: the expert grads
+    only (DDP averaged the replicated ones during backward: dense_ddp.py)."""
+    if replicated:
+        dense = [p for p in replicated_parameters(model) if not isinstance(p, DTensor)]
+        _average(dense, groups.world_group, groups.world_size,
+                 "replicated-gradient all-reduce")
     _average(expert_parameters(model), groups.dp_group, groups.dp_size,
              "expert-gradient all-reduce")
 

@@ -62,6 +62,7 @@ class Assembly:
                                         custom=residency)
         self.step = None
         self.state = None
+        self.train_model = None
 
     def expert_device(self) -> str | None:
         """Where the model's stacked experts are built ("meta": nowhere; None: with the rest)."""
@@ -74,9 +75,11 @@ class Assembly:
         self.step = self.residency.prepare(model, self.exchange)
 
     def attach(self, model, optimizer) -> None:
-        """Called with the dense optimizer once it exists."""
+        """Called with the dense optimizer once it exists (the model on its device);
+        `train_model`: the module a training step calls (the exchange's training_module)."""
         self.step.follow(optimizer)
         self.state.attach(model, optimizer)
+        self.train_model = self.exchange.training_module(model)
 
     def begin_micro_batch(self, last: bool) -> None:
         self.exchange.begin_micro_batch(last)

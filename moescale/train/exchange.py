@@ -10,7 +10,8 @@ where each rank's experts live. One class per exchange, none per combination:
 - `StaticExchange` (`parallel.ep_size` > 1, or any multi-process launch): FastMoE's static
   expert parallelism, the experts split over the expert-parallel group, with MPipeMoE's
   pipelined all-to-all when `parallel.chunks` / `parallel.reuse` ask (`setup_expert_parallel`'s
-  dispatchers). After backward the dense gradients are averaged over the world.
+  dispatchers). The dense gradients are averaged over the world: by DDP's bucketed all-reduce
+  during backward (`training_module`, parallel/dense_ddp.py), or by FSDP2 when sharded.
 - `DynamicExchange` (`parallel.placement dynamic`): ES-MoE's dynamic placement. Every iteration
   each layer places its experts by LPT on the node's ranks (`parallel.split`: hot experts' rows
   sharded). It only exchanges: where the experts live is the residency's (the node's ranks
@@ -34,11 +35,12 @@ import torch.distributed as dist
 
 from moescale.layers.moe import MoE
 from moescale.parallel.choices import pipeline_choices
+from moescale.parallel.dense_ddp import wrap_dense_ddp
 from moescale.parallel.dense_shard import dense_mesh, require_fsdp2, shard_dense
 from moescale.parallel.dynamic import (DynamicPlacementDispatcher, placement_stats,
                                        static_load_stats)
 from moescale.parallel.expert_parallel import expert_parallel_model
-from moescale.parallel.grad_sync import allreduce_gradients
+from moescale.parallel.grad_sync import allreduce_gradients, expert_parameters
 from moescale.parallel.groups import ParallelConfig, init_distributed
 from moescale.parallel.nodes import node_layout
 from moescale.parallel.placement import PlacementConfig
@@ -111,6 +113,22 @@ def shard_dense_half(config: RunConfig, groups, model) -> str:
     return f"; dense half sharded over {groups.world_size} ranks (FSDP2)"
 
 
+DDP_WORDS = "; dense half replicated, averaged by DDP during backward"
+
+
+def replicated_ddp(config: RunConfig, groups, model):
+    """`parallel.dense replicate` on several ranks: DDP around the model, its experts ignored
+    (parallel/dense_ddp.py), which averages the dense gradients during backward; None when
+    the dense half is sharded (FSDP2 reduces it), on one rank or without dense parameters
+    that train. Collective: after the model is on its device."""
+    if config.parallel.dense == "shard" or groups.world_size == 1:
+        return None
+    ignored = set(map(id, expert_parameters(model)))
+    if not any(p.requires_grad for p in model.parameters() if id(p) not in ignored):
+        return None
+    return wrap_dense_ddp(model, groups)
+
+
 def check_launch(config: RunConfig) -> None:
     """Refuse, before any process group exists, a launch the exchange cannot run on (dynamic
     placement: one process, a node size that does not divide the ranks, rows that do not
@@ -133,6 +151,9 @@ class LocalExchange:
     def prepare(self, model) -> None:
         pass
 
+    def training_module(self, model):
+        return model
+
     def sync_grads(self, model) -> None:
         pass
 
@@ -149,7 +170,29 @@ class LocalExchange:
         pass
 
 
-class StaticExchange:
+class DenseSync:
+    """A multi-rank exchange's gradient sync: the replicated dense half through DDP during
+    backward (`replicated_ddp`), the rest after backward (`grad_sync.allreduce_gradients`:
+    the experts over their dp column; the dense half too where it has no DDP)."""
+
+    ddp = None
+
+    def training_module(self, model):
+        self.ddp = replicated_ddp(self.config, self.groups, model)
+        if self.ddp is None:
+            return model
+        self.dense = DDP_WORDS
+        return self.ddp
+
+    def sync_grads(self, model) -> None:      # after it every backward has finished
+        allreduce_gradients(model, self.groups, replicated=self.ddp is None)
+
+    def ddp_micro_batch(self, last: bool) -> None:
+        if self.ddp is not None:     # what DDP.no_sync() sets: reduce on the last one only
+            self.ddp.require_backward_grad_sync = last
+
+
+class StaticExchange(DenseSync):
     """Experts split over the ranks of an expert-parallel group (plain or pipelined)."""
 
     def __init__(self, config: RunConfig, ranks) -> None:
@@ -174,11 +217,8 @@ class StaticExchange:
         expert_parallel_model(model, self.groups, dispatcher_factory(self.groups, self.pconfig))
         self.dense = shard_dense_half(self.config, self.groups, model)
 
-    def sync_grads(self, model) -> None:
-        allreduce_gradients(model, self.groups)
-
     def begin_micro_batch(self, last: bool) -> None:
-        pass
+        self.ddp_micro_batch(last)
 
     def step_metrics(self, model, counts_LE) -> dict:
         """Static placement's modelled per-rank load (rows) from the routed counts, and what
@@ -203,7 +243,7 @@ class StaticExchange:
         pass
 
 
-class DynamicExchange:
+class DynamicExchange(DenseSync):
     """Each iteration LPT places a layer's experts on the node's ranks; nodes hold replicas
     (see the module docstring and docs/dynamic_placement.md)."""
 
@@ -241,10 +281,8 @@ class DynamicExchange:
         self._model = model
         self.dense = shard_dense_half(self.config, self.groups, model)
 
-    def sync_grads(self, model) -> None:
-        allreduce_gradients(model, self.groups)   # after it every backward has finished
-
     def begin_micro_batch(self, last: bool) -> None:
+        self.ddp_micro_batch(last)
         self._collect(keep=self._micro > 0)   # the first one drops evaluation's calls
         self._micro += 1
 

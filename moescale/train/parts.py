@@ -33,8 +33,14 @@ class Exchange(Protocol):
     def prepare(self, model: nn.Module) -> None:
         """Give the model's MoE layers this exchange's dispatcher (shard them if it shards)."""
 
+    def training_module(self, model: nn.Module) -> nn.Module:
+        """Once the model is on its device: the module a training step's forward and backward
+        go through (the model, or DDP around it reducing the replicated dense gradients
+        during backward). Collective; called once."""
+
     def sync_grads(self, model: nn.Module) -> None:
-        """Average the dense gradients over the ranks that replicate them (after backward)."""
+        """Average the gradients over the ranks that replicate them (after backward) that
+        backward has not averaged yet."""
 
     def begin_micro_batch(self, last: bool) -> None: ...
 

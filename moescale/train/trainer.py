@@ -235,8 +235,8 @@ class Trainer:
             self.parts.begin_micro_batch(last=i == tc.grad_accum - 1)
             idx_BS, targets_BS = self.ranks.shard(*self.batches.next())  # this rank's rows
             idx_BS, targets_BS = idx_BS.to(self.device), targets_BS.to(self.device)
-            with self._autocast():
-                _, loss = self.model(idx_BS, targets_BS)
+            with self._autocast():      # through DDP when the exchange wraps the model
+                _, loss = self.parts.train_model(idx_BS, targets_BS)
             self.experts.before_backward(loss.detach())
             (loss / tc.grad_accum).backward()
             parts = self.model.last_loss_parts

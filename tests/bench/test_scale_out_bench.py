@@ -32,8 +32,9 @@ def test_scale_out_measures_both_modes_and_writes_its_json(tmp_path):
         assert r["dense_adamw_bytes"] == 2 * r["dense_param_bytes"] > 0
         assert r["steps_peak_rss_bytes"] > r["rss_before_model_bytes"] > 0
     times = report["step_time"]["times_s"]
-    assert len(times["shard"]) == len(times["replicate"]) == 2
+    assert len(times["shard"]) == len(times["replicate"]) == len(times["ddp"]) == 2
     assert report["step_time"]["ratio_shard_to_replicate"]["n"] == 2
+    assert report["step_time"]["ratio_ddp_to_replicate"]["n"] == 2
     assert isinstance(report["cpu_flags"], list) and code == 0
 
 
