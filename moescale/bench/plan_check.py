@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -194,8 +195,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated configurations to predict and measure")
     p.add_argument("--formats", default="fp32+fp32", help="expert state formats to check each "
                    "configuration in, MASTER+MOMENTS comma-separated (e.g. fp32+fp32,bf16+int8)")
-    p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary "
-                   "directory under /var/tmp)")
+    p.add_argument("--dir", default=None, help="where the disk tier's temporary directory "
+                   "goes (default: /var/tmp); it is removed at the end")
     p.add_argument("--host-cache-gb", type=float, default=1.0,
                    help="disk tier: host RAM caching expert records, GB")
     p.add_argument("--disk-probe-mb", type=int, default=1024, help="size of the file the "
@@ -212,6 +213,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise ValueError(f"--dir={args.dir!r} is not a directory; give an existing directory "
+                         "on the disk to measure (the check makes and removes its own inside)")
     tag = hardware_tag(torch.device("cpu"))
     out = result_path(args.out, f"plan_check_{tag}.json")
     previous = Path(args.previous) if args.previous else \
@@ -222,8 +226,10 @@ def main(argv=None) -> int:
     budgets = Budgets(device_bytes=1 << 50, host_bytes=1 << 50, disk_bytes=1 << 50,
                       host_cache_bytes=cache)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="moescale-plan-", dir="/var/tmp") as tmp:
-        args.dir = args.dir or tmp
+    # a directory of its own inside --dir, removed at the end: the stores' record files and
+    # the disk probe's never stay behind in the user's directory
+    with tempfile.TemporaryDirectory(prefix="moescale-plan-", dir=args.dir or "/var/tmp") as tmp:
+        args.dir = tmp
         for name, fmt in [(n, f) for n in args.configs.split(",")
                           for f in parse_formats(args.formats)]:
             tier, *shape = _config(name)

@@ -63,10 +63,16 @@ def test_plan_check_host_and_disk_rows_and_the_comparison_with_a_previous_run(tm
     assert disk["predicted_bytes_per_step"]["written"] > 0
     assert disk["bytes_per_step"]["store_written"] > 0
     assert not any("previous run" in t["name"] for t in first["targets"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]   # no store left
     assert plan_check.main(argv) == 0                     # compares with the file it wrote
     second = json.loads(out.read_text())
     assert sum("previous run" in t["name"] for t in second["targets"]) == 2
     assert "predicted_change" in second["results"][0]["previous_run"]
+
+
+def test_plan_check_refuses_a_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="--dir"):
+        plan_check.main(["--dir", str(tmp_path / "absent"), "--out", str(tmp_path / "p.json")])
 
 
 def test_plan_check_rejects_an_unknown_configuration():
