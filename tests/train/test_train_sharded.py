@@ -23,7 +23,8 @@ import torch
 from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, continue_run, run_records, train_run
+from train_helpers import TINY, as_argv, continue_run, run_records, train_run
+from warm_runner import run_warm_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +164,18 @@ def test_two_dimensional_mesh_with_expert_replicas_matches_replicated(corpus, tm
                   run_dir, 4, STEPS)
         runs[dense] = run_records(run_dir)
     assert_close_run(runs["shard"], runs["replicate"], rel=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_on_two_machines_with_the_dense_half_sharded(reference, corpus, tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m moescale train --parallel.ep_size 4
+    --parallel.dense shard`, the 4 ranks forked with the variables torchrun's two agents give
+    their workers (tests/warm_runner.py): the experts split over all 4 ranks, the dense half
+    sharded over the 2 x 2 mesh flattened, the single process's losses within 1e-4."""
+    options = dict(OPTIONS, **SHARD, **{"parallel.ep_size": "4", "data.path": str(corpus),
+                                       "train.run_dir": str(tmp_path / "run")})
+    code, output = run_warm_torchrun(2, ["train", *as_argv(options)], tmp_path,
+                                     dict(os.environ), 180, nodes=2)
+    assert code == 0, output[-6000:]
+    assert "sharded over 4 ranks" in output, output[-3000:]
+    assert_close_run(run_records(tmp_path / "run"), reference[1], rel=1e-4)
