@@ -5,7 +5,9 @@ A GPT whose dense half (attention, embeddings, routers, norms) is `--d-model` wi
 `--layers` deep (default: 88 MB of fp32 dense parameters), its experts split over all N ranks
 (expert parallelism), trained with AdamW (moescale.train.optim) on gloo ranks of this machine.
 
-Memory: fresh processes per (N, mode), `--mem-steps` steps each; per rank, the bytes of the
+Memory: fresh processes per (N, mode), each mode as `moescale train` runs it (replicated: the
+dense gradients averaged by DDP, parallel/dense_ddp.py; sharded: FSDP2), `--mem-steps` steps
+each; per rank, the bytes of the
 dense parameters it holds (its shards when sharded) and of their AdamW state (exp_avg,
 exp_avg_sq), and the peak resident set (VmHWM) twice: over the whole process (which includes
 building the whole model before it is sharded: every rank builds the same initial weights)
@@ -13,13 +15,14 @@ and over the training steps only (VmHWM reset after the build), glibc told to re
 blocks of 64 KiB or more at once so that the resident set follows the live tensors; "RSS
 growth" is the steps' peak less the process's RSS before the model existed (torch, gloo),
 which holds the unsharded rest too (this rank's resident experts with their gradients and
-AdamW state, activations, the replicated mode's all-reduce buffer). The target: dense bytes
+AdamW state, activations, DDP's buckets). The target: dense bytes
 sharded <= (1/N + 10%) of replicated.
 
 Step time: 2 ranks holding three copies of the model, a sharded, a replicated and a DDP one,
 stepped in turn (`--runs` interleaved repetitions after `--warmup`, the order rotated, a
-barrier before each, a sample is the slower rank's time); the ratios sharded / replicated and
-ddp / replicated are the geometric means of the paired ratios with their 95% t-intervals.
+barrier before each, a sample is the slower rank's time); the ratios sharded / replicated,
+ddp / replicated and sharded / ddp (the trainer's replicated mode) are the geometric means of
+the paired ratios with their 95% t-intervals.
 One step = forward + backward of `--batch` sequences of `--seq` tokens per rank, the gradient
 sync (replicated: the coalesced all-reduce after backward; sharded: FSDP's reduce-scatter
 during backward; ddp: DDP's bucketed all-reduce during backward, parallel/dense_ddp.py, with
@@ -53,7 +56,9 @@ from moescale.bench.stats import paired_ratio
 from moescale.parallel.launch import run_local
 
 MODES = ("replicate", "shard")
-STEP_MODES = MODES + ("ddp",)     # step time: the replicated dense half averaged by DDP too
+# memory: each dense mode as `moescale train` runs it (replicated: averaged by DDP)
+TRAINER_MODE = {"replicate": "ddp", "shard": "shard"}
+STEP_MODES = MODES + ("ddp",)     # step time: the hand-written all-reduce as the baseline too
 
 
 def _model(args: dict, groups, mode: str):
@@ -139,7 +144,7 @@ def _memory_rank(rank: int, world: int, args: dict, mode: str) -> dict:
     groups = build_groups(ParallelConfig(backend="gloo", timeout_s=600))
     torch.set_num_threads(1)
     before = rss_bytes()
-    model, optimizer = _model(args, groups, mode)
+    model, optimizer = _model(args, groups, TRAINER_MODE[mode])
     build_peak = peak_rss_bytes()
     reset_peak_rss()
     for step in range(args["mem_steps"]):
@@ -209,17 +214,20 @@ def _memory(args: dict, ranks: list[int]) -> list[dict]:
     return rows
 
 
-def _write_memory_only(out: str | None, args: dict, memory: list[dict], load_before) -> int:
-    """`--runs 0`: the JSON of the memory measurement alone (step_time null)."""
+def _write(out: str | None, name: str, args: dict, memory: list[dict], load_before,
+           step_time: dict | None) -> int:
+    """The JSON (`step_time` None: `--runs 0`, the memory only); exit code 1 when the dense
+    bytes miss their target."""
     ok = all(r["within_target"] for r in memory)
-    print(f"dense bytes per rank within 1/N + 10% of replicated at every N: {ok}")
+    if memory:
+        print(f"dense bytes per rank within 1/N + 10% of replicated at every N: {ok}")
     tag = hardware_tag(torch.device("cpu"))
-    out = result_path(out, f"scale_out_memory_{tag}.json")
+    out = result_path(out, f"{name}_{tag}.json")
     write_json(out, dict(benchmark="scale-out", hardware=tag, cpu_flags=cpu_flags(),
                          load_average_1_5_15min=dict(before=load_before,
                                                      after=os.getloadavg()),
                          config=args, torch_threads_per_rank=1, memory=memory,
-                         step_time=None, dense_within_target=ok))
+                         step_time=step_time, dense_within_target=ok if memory else None))
     print(f"wrote {out}")
     return 0 if ok else 1
 
@@ -268,32 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()   # the machine is shared: how busy it was
     memory = _memory(args, ranks) if ranks else []
     if not ns.runs:
-        return _write_memory_only(ns.out, args, memory, load_before)
+        return _write(ns.out, "scale_out_memory", args, memory, load_before, None)
     load_timing = os.getloadavg()
     times = run_local(_time_rank, 2, (args,), timeout_s=600, deadline_s=3000)[0].value
-    interval = paired_ratio(times["shard"], times["replicate"])
-    ddp = paired_ratio(times["ddp"], times["replicate"])
+    ratios = {f"{a}_to_{b}": paired_ratio(times[a], times[b])
+              for a, b in (("shard", "replicate"), ("ddp", "replicate"), ("shard", "ddp"))}
     medians = {m: statistics.median(t) for m, t in times.items()}
-    print(f"step time on 2 ranks: replicated {1e3 * medians['replicate']:.1f} ms, sharded "
-          f"{1e3 * medians['shard']:.1f} ms, ddp {1e3 * medians['ddp']:.1f} ms (medians of "
-          f"{ns.runs}); sharded / replicated {interval}; ddp / replicated {ddp}")
+    print(f"step time on 2 ranks: hand-written all-reduce {1e3 * medians['replicate']:.1f} ms, "
+          f"ddp {1e3 * medians['ddp']:.1f} ms, sharded {1e3 * medians['shard']:.1f} ms "
+          f"(medians of {ns.runs}); " + "; ".join(f"{k.replace('_to_', ' / ')} {r}"
+                                                  for k, r in ratios.items()))
     print(f"load average (1, 5, 15 min) before the step times {load_timing}, after "
           f"{os.getloadavg()}")
-    ok = all(r["within_target"] for r in memory)
-    if memory:
-        print(f"dense bytes per rank within 1/N + 10% of replicated at every N: {ok}")
-    tag = hardware_tag(torch.device("cpu"))
-    out = result_path(ns.out, f"scale_out_{tag}.json")
-    write_json(out, dict(benchmark="scale-out", hardware=tag, cpu_flags=cpu_flags(),
-                         load_average_1_5_15min=dict(before=load_before,
-                                                     after=os.getloadavg()),
-                         config=args, torch_threads_per_rank=1, memory=memory,
-                         step_time=dict(ranks=2, times_s=times, median_s=medians,
-                                        ratio_shard_to_replicate=interval.as_dict(),
-                                        ratio_ddp_to_replicate=ddp.as_dict(),
-                                        load_average_before=load_timing,
-                                        interval="95% t-interval of the paired "
-                                                 "per-repetition log-ratios (geometric mean)"),
-                         dense_within_target=ok if memory else None))
-    print(f"wrote {out}")
-    return 0 if ok else 1
+    return _write(ns.out, "scale_out", args, memory, load_before, dict(
+        ranks=2, times_s=times, median_s=medians,
+        **{f"ratio_{k}": r.as_dict() for k, r in ratios.items()},
+        load_average_before=load_timing,
+        interval="95% t-interval of the paired per-repetition log-ratios (geometric mean)"))

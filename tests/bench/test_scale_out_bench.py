@@ -35,6 +35,7 @@ def test_scale_out_measures_both_modes_and_writes_its_json(tmp_path):
     assert len(times["shard"]) == len(times["replicate"]) == len(times["ddp"]) == 2
     assert report["step_time"]["ratio_shard_to_replicate"]["n"] == 2
     assert report["step_time"]["ratio_ddp_to_replicate"]["n"] == 2
+    assert report["step_time"]["ratio_shard_to_ddp"]["n"] == 2
     assert isinstance(report["cpu_flags"], list) and code == 0
 
 
