@@ -115,20 +115,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups,
     exp = [p.grad for p in expert_parameters(model) if p.grad is not None] + list(extra_grads)
     device = next(model.parameters()).device
     inf = norm_type == math.inf
-
-    def part(grads):
-        if not grads:
-            return torch.zeros((), device=device)
-        if inf:
-            return torch.stack([g.detach().abs().max().float() for g in grads]).max()
-        return sum(g.detach().float().square().sum() for g in grads)
-
-    sharded = [g for g in rep if isinstance(g, DTensor)]     # parallel.dense shard (FSDP2)
-    rep_part = part([g for g in rep if not isinstance(g, DTensor)])
-    if sharded:      # their shards are disjoint over the dense mesh: reduced over it
-        rep_part = torch.maximum(rep_part, grad_max(sharded, device)) if inf else \
-            rep_part + grad_square_sum(sharded, device)
-    exp_part = part(exp).reshape(1).clone()
+    # plain gradients as they are; sharded dense ones (parallel.dense shard, FSDP2: disjoint
+    # over the dense mesh) reduced over it, so every rank gets the whole replicated part
+    part = grad_max if inf else grad_square_sum
+    rep_part = part(rep, device)
+    exp_part = part(exp, device).reshape(1).clone()
     with collective_errors("grad-norm all-reduce", groups.ep_group):
         dist.all_reduce(exp_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                         group=groups.ep_group)
