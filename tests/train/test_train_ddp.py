@@ -16,14 +16,12 @@ tests/parallel/test_dense_ddp.py; DDP beside expert replicas averaged over their
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-from train_helpers import (TINY, as_argv, assert_same_run, checkpoint_tensors, continue_run,
-                           run_records, tiny_run_config, train_run)
-from warm_runner import run_warm_torchrun
+from train_helpers import (TINY, assert_same_run, checkpoint_tensors, continue_run, run_records,
+                           tiny_run_config, torchrun_train, train_run)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -50,9 +48,7 @@ def test_ddp_replicated_training_equals_one_process_and_resumes(corpus, single, 
         "parallel.ep_size": "2", "data.path": str(corpus), "train.steps": str(STEPS),
         "train.eval_interval": "3", "train.checkpoint_interval": "3", "train.keep_last": "2",
         "train.run_dir": str(run_dir)})
-    code, output = run_warm_torchrun(2, ["train", *as_argv(options)], tmp_path,
-                                     dict(os.environ), 150)
-    assert code == 0, output[-6000:]
+    output = torchrun_train(options, tmp_path, 150)
     assert "dense half replicated, averaged by DDP during backward" in output
     got = run_records(run_dir)
     assert_same_run(got, run_records(single))

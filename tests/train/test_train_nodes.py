@@ -28,8 +28,8 @@ from moescale.train.exchange import check_launch
 from moescale.train.config import load_config, to_dict
 from moescale.train.metrics import read_metrics
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, as_argv, assert_same_run, continue_run, run_records, small_corpus
-from warm_runner import run_warm_torchrun
+from train_helpers import (TINY, assert_same_run, continue_run, run_records, small_corpus,
+                           torchrun_train)
 
 pytestmark = pytest.mark.distributed
 
@@ -120,10 +120,9 @@ def test_torchrun_on_two_machines(runs, tmp_path):
     against a real torchrun's in tests/parallel/test_torchrun.py)."""
     single, _, _, _, options = runs
     before = {n for n in os.listdir(shm_directory()) if n.startswith("moescale-store-")}
-    argv = ["train", *as_argv(dict(options, **{"parallel.placement": "dynamic",
-                                               "train.run_dir": str(tmp_path / "run")}))]
-    code, output = run_warm_torchrun(2, argv, tmp_path, dict(os.environ), 120, nodes=2)
-    assert code == 0, output[-6000:]
+    output = torchrun_train(dict(options, **{"parallel.placement": "dynamic",
+                                             "train.run_dir": str(tmp_path / "run")}),
+                            tmp_path, 120, nodes=2)
     assert "2 local ranks on each of 2 nodes" in output
     assert_same_run(run_records(tmp_path / "run"), run_records(single))
     assert {n for n in os.listdir(shm_directory()) if n.startswith("moescale-store-")} == before

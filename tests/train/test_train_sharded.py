@@ -23,8 +23,7 @@ import torch
 from moescale.train.checkpoint import checkpoint_path, load_checkpoint
 from moescale.train.config import load_config
 from moescale.train.trainer import Trainer
-from train_helpers import TINY, as_argv, continue_run, run_records, train_run
-from warm_runner import run_warm_torchrun
+from train_helpers import TINY, continue_run, run_records, torchrun_train, train_run
 
 pytestmark = pytest.mark.slow
 
@@ -174,8 +173,6 @@ def test_torchrun_on_two_machines_with_the_dense_half_sharded(reference, corpus,
     sharded over the 2 x 2 mesh flattened, the single process's losses within 1e-4."""
     options = dict(OPTIONS, **SHARD, **{"parallel.ep_size": "4", "data.path": str(corpus),
                                        "train.run_dir": str(tmp_path / "run")})
-    code, output = run_warm_torchrun(2, ["train", *as_argv(options)], tmp_path,
-                                     dict(os.environ), 180, nodes=2)
-    assert code == 0, output[-6000:]
+    output = torchrun_train(options, tmp_path, 180, nodes=2)
     assert "sharded over 4 ranks" in output, output[-3000:]
     assert_close_run(run_records(tmp_path / "run"), reference[1], rel=1e-4)

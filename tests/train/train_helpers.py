@@ -3,6 +3,7 @@ tiny run's config, copies of a run to resume, and the comparison of two runs' re
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -141,3 +142,15 @@ def continue_run(src, dst, overrides: dict[str, str], ranks: int, step: int) -> 
         trainer = Trainer(config, run_dir, resume=True, out=open(os.devnull, "w"))
         assert trainer.step == step and trainer.run() == 0
     return [r for r in run_records(run_dir) if r["step"] > step]
+
+
+def torchrun_train(options: dict[str, str], cwd, timeout_s: float, ranks: int = 2,
+                   nodes: int = 1) -> str:
+    """`torchrun [--nnodes nodes] --nproc-per-node ranks -m moescale train` with `options`, the
+    ranks forked from the warm fork server (tests/warm_runner.py); asserts that every rank
+    exited 0 and returns their output."""
+    from warm_runner import run_warm_torchrun
+    code, output = run_warm_torchrun(ranks, ["train", *as_argv(options)], cwd,
+                                     dict(os.environ), timeout_s, nodes=nodes)
+    assert code == 0, output[-6000:]
+    return output
