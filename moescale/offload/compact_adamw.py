@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from moescale.offload.int8_codes import BLOCK
 from moescale.offload.state_format import NOISE_NUMBERS, StateCodec
 
